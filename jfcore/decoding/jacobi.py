@@ -1,0 +1,302 @@
+"""Greedy Jacobi decoding on a KV cache (DESIGN.md section 2).
+
+A row's in-flight draft is a list of blocks laid end to end on top of its
+committed text. Block 0 (real-active) starts with the known next greedy
+token; later blocks (pseudo-active, multiblock only) iterate on top of block
+0's unverified draft. One forward over the whole draft gives the greedy
+prediction at every position. The accepted tokens are 1 + the longest run
+where draft[i+1] == argmax(logits[i]): they and their KV are exact, so they
+are committed, and the KV of the rest is dropped. The remaining positions get
+the Jacobi update: the correction token, then the model's fresh predictions.
+Acceptance may run past a block boundary: the next block is then promoted
+with its verified progress kept.
+
+Rejection recycling (multiblock): n-grams from rejected draft tails are kept
+in a pool; continuations of the draft's first token are verified in the same
+forward as extra positions that see only the committed text and that first
+token (a tree mask). The longest verified run wins.
+
+Every committed token is checked against the model's own argmax, so the
+output equals greedy autoregressive decoding exactly, whatever the drafts.
+AR decoding is the special case of one block of size 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from jfcore.decoding.config import DecodeConfig
+from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
+from jfcore.decoding.slots import SlotBatch
+
+Candidates = list[tuple[int, tuple[int, ...]]]  # (first slot, continuation tokens)
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt: list[int]
+    out: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # drafts in flight; blocks[0][0] is known-correct
+    sizes: list[int] = field(default_factory=list)  # full size of each in-flight block
+    done: int = 0  # tokens of block 0 already committed
+    block_start: int = 0  # len(out) when block 0 started
+    verified: int = 0  # tokens committed by forwards (these have KV)
+    forwards: int = 0
+    recycled: int = 0  # tokens committed through recycled n-grams beyond the draft's own run
+    finished: bool = False
+    pool: NgramPool | None = None
+    states: list[list[int]] = field(default_factory=list)  # block 0's states, when recording
+    trajectories: list[BlockTrajectory] = field(default_factory=list)
+
+    @property
+    def draft(self) -> list[int]:
+        return [t for block in self.blocks for t in block]
+
+
+class JacobiDecoder:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: DecodeConfig,
+        eos_token_ids: Collection[int],
+        pad_token_id: int,
+        on_step: Callable[[StepEvent], None] | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.block_size = 1 if config.method == "ar" else config.block_size
+        self.record = config.record_trajectories
+        self.eos = frozenset(eos_token_ids)
+        self.pad = pad_token_id
+        self.on_step = on_step
+        self.rng = random.Random(config.seed)
+        # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]]) -> DecodeOutput:
+        rows = [_Row(i, list(p)) for i, p in enumerate(prompts)]
+        if self.config.recycling:
+            for row in rows:
+                row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
+        stats = DecodeStats()
+
+        start = time.perf_counter()
+        batch = SlotBatch(self.model, [r.prompt for r in rows], self.pad)
+        tokens, valid, positions = _left_pad([r.prompt for r in rows], self.pad, batch.device)
+        logits = batch.forward(tokens, valid, positions, **self.prefill_kwargs)
+        batch.keep(valid)
+        self.vocab_size = logits.shape[-1]
+        for row, first in zip(rows, logits[:, -1].argmax(-1).tolist()):
+            self._carry_on(row, first, guess=first, progress=0)
+        stats.prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        batch.forward_seconds = 0.0
+        active = self._drop_finished(batch, rows, list(range(len(rows))))
+        while active:
+            self._step(batch, active, stats.forward_calls)
+            stats.forward_calls += 1
+            active = self._drop_finished(batch, active, list(range(len(active))))
+        stats.decode_seconds = time.perf_counter() - start
+        stats.forward_seconds = batch.forward_seconds
+        stats.tokens_per_row = [len(r.out) for r in rows]
+        stats.forwards_per_row = [r.forwards for r in rows]
+        stats.new_tokens = sum(stats.tokens_per_row)
+        stats.decode_forwards = sum(stats.forwards_per_row)
+        stats.recycled_tokens = sum(r.recycled for r in rows)
+        trajectories = [r.trajectories for r in rows] if self.record else None
+        return DecodeOutput([r.out for r in rows], stats, trajectories)
+
+    @staticmethod
+    def _drop_finished(batch: SlotBatch, rows: list[_Row], slots: list[int]) -> list[_Row]:
+        keep = [i for i in slots if not rows[i].finished]
+        if keep and len(keep) < len(rows):
+            batch.select_rows(keep)
+        return [rows[i] for i in keep]
+
+    # -- one decode forward for every active row ---------------------------------------------
+
+    def _step(self, batch: SlotBatch, rows: list[_Row], step: int) -> None:
+        base = batch.lengths().tolist()
+        layouts = [self._layout(row) for row in rows]
+        width = max(len(inputs) for inputs, _, _ in layouts)
+        tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        use_tree = any(cands for _, _, cands in layouts)
+        tree = torch.zeros((len(rows), width, width), dtype=torch.bool) if use_tree else None
+        for b, (inputs, offsets, cands) in enumerate(layouts):
+            n = len(inputs)
+            tokens[b, :n] = torch.tensor(inputs)
+            positions[b, :n] = torch.tensor(offsets) + base[b]
+            valid[b, :n] = True
+            if tree is not None:
+                _fill_tree(tree[b], n - sum(len(g) for _, g in cands), cands)
+        device = batch.device
+        logits = batch.forward(
+            tokens.to(device), valid.to(device), positions.to(device), None if tree is None else tree.to(device)
+        )
+        predictions = logits.argmax(-1).tolist()  # the one host sync per forward
+        keep = torch.zeros((len(rows), width), dtype=torch.bool)
+        accepted = []
+        for b, (row, (_, _, cands)) in enumerate(zip(rows, layouts)):
+            slots = self._verify(row, predictions[b], cands)
+            keep[b, slots] = True
+            accepted.append(len(slots))
+        batch.keep(keep.to(device))
+        if self.on_step is not None:
+            committed = [len(r.prompt) + r.verified for r in rows]
+            self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist()))
+
+    def _layout(self, row: _Row) -> tuple[list[int], list[int], Candidates]:
+        """The row's forward input: its draft, then recycled candidates; and their position offsets."""
+        draft = row.draft
+        if self.record:
+            row.states.append(row.out[row.block_start :] + draft)
+        inputs, offsets, cands = list(draft), list(range(len(draft))), []
+        if row.pool is not None and len(draft) > 1:
+            for gram in row.pool.candidates(draft[0], len(draft) - 1):
+                cands.append((len(inputs), gram))
+                inputs.extend(gram)
+                offsets.extend(range(1, len(gram) + 1))
+        return inputs, offsets, cands
+
+    def _verify(self, row: _Row, pred: list[int], cands: Candidates) -> list[int]:
+        """Commit the longest verified run and update the rest of the draft. Returns the kept slots."""
+        draft = row.draft
+        a = 1
+        while a < len(draft) and draft[a] == pred[a - 1]:
+            a += 1
+        slots, accepted = list(range(a)), draft[:a]
+        for start, gram in cands:
+            k, parent = 0, 0
+            while k < len(gram) and gram[k] == pred[parent]:
+                parent = start + k
+                k += 1
+            if 1 + k > len(slots):
+                slots, accepted = [0, *range(start, start + k)], [draft[0], *gram[:k]]
+        correction = pred[slots[-1]]
+        row.recycled += max(0, len(accepted) - a)
+        row.forwards += 1
+        row.verified += len(accepted)
+        if row.pool is not None:
+            row.pool.add(draft[a:])  # the rejected tail: right phrases at wrong offsets come back
+        progress = self._newest_progress(row, draft, pred) if self.config.blocks_in_flight > 1 else 0
+        guess = pred[len(draft) - 1]  # the model's token after the whole draft
+        rest = [correction, *pred[len(accepted) : len(draft) - 1]]  # the Jacobi update
+        if self._emit(row, accepted):
+            return slots
+        self._consume(row, len(accepted))
+        at = 0
+        for j, block in enumerate(row.blocks):
+            row.blocks[j], at = rest[at : at + len(block)], at + len(block)
+        self._carry_on(row, correction, guess, progress)
+        return slots
+
+    def _newest_progress(self, row: _Row, draft: list[int], pred: list[int]) -> int:
+        """Leading tokens of the newest block that are committed or left unchanged by this update."""
+        start = len(draft) - len(row.blocks[-1])
+        i = max(start, 1)
+        while i < len(draft) and draft[i] == pred[i - 1]:
+            i += 1
+        return (row.done if len(row.blocks) == 1 else 0) + i - start
+
+    def _consume(self, row: _Row, count: int) -> None:
+        """Remove `count` committed tokens from the front of the in-flight blocks."""
+        while count > 0:
+            take = min(count, len(row.blocks[0]))
+            count -= take
+            if take < len(row.blocks[0]):
+                row.blocks[0] = row.blocks[0][take:]
+                row.done += take
+                continue
+            size = row.sizes.pop(0)
+            row.blocks.pop(0)
+            self._close_block(row, row.block_start + size)
+            row.block_start += size
+            row.done = 0
+
+    # -- emitting tokens, finishing, starting blocks ----------------------------------------
+
+    def _emit(self, row: _Row, accepted: list[int]) -> bool:
+        """Append committed tokens, stopping at the first EOS or the token budget. True if finished."""
+        budget = self.config.max_new_tokens - len(row.out)
+        cut = next((i + 1 for i, t in enumerate(accepted[:budget]) if t in self.eos), None)
+        if cut is None and len(accepted) < budget:
+            row.out.extend(accepted)
+            return False
+        self._finish(row, accepted[: cut or budget])
+        return True
+
+    def _carry_on(self, row: _Row, next_token: int, guess: int, progress: int) -> None:
+        """Finish with the known next token, or keep drafting from it."""
+        cfg = self.config
+        if next_token in self.eos or len(row.out) + 1 >= cfg.max_new_tokens:
+            if not row.blocks:
+                row.block_start = len(row.out)
+            self._finish(row, [next_token])
+        elif not row.blocks:
+            row.block_start = len(row.out)
+            self._open_block(row, next_token)
+        elif len(row.blocks) < cfg.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
+            self._open_block(row, guess)
+
+    def _open_block(self, row: _Row, first: int) -> None:
+        """A block of n tokens (fewer near the token budget): `first`, then seeded filler."""
+        in_flight = sum(len(b) for b in row.blocks)
+        size = min(self.block_size, self.config.max_new_tokens - len(row.out) - in_flight)
+        if size <= 0:
+            return
+        if self.config.filler == "random":
+            filler = [self.rng.randrange(self.vocab_size) for _ in range(size - 1)]
+        else:
+            filler = self.rng.choices(row.prompt + row.out, k=size - 1)
+        row.blocks.append([first, *filler])
+        row.sizes.append(size)
+
+    def _finish(self, row: _Row, last: list[int]) -> None:
+        row.out.extend(last)
+        row.finished = True
+        row.blocks, row.sizes = [], []
+        self._close_block(row, len(row.out))
+
+    def _close_block(self, row: _Row, end: int) -> None:
+        """Record block 0's trajectory: its states, cut to its length, ending at its fixed point."""
+        if not self.record:
+            return
+        fixed = row.out[row.block_start : end]
+        states = [s[: len(fixed)] for s in row.states]
+        if not states or states[-1] != fixed:
+            states.append(fixed)  # reached through a recycled n-gram or a token emitted without a forward
+        row.trajectories.append(BlockTrajectory(row.block_start, states))
+        row.states = []
+
+
+def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:
+    """Causal among the draft; each candidate sees the draft's first token and its own prefix."""
+    tree[:draft_len, :draft_len] = torch.ones(draft_len, draft_len, dtype=torch.bool).tril()
+    for start, gram in cands:
+        span = slice(start, start + len(gram))
+        tree[span, 0] = True
+        tree[span, span] = torch.ones(len(gram), len(gram), dtype=torch.bool).tril()
+
+
+def _left_pad(prompts: list[list[int]], pad: int, device: torch.device):
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, width - len(p) :] = torch.tensor(p)
+        valid[b, width - len(p) :] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return tokens.to(device), valid.to(device), positions.to(device)

@@ -1,0 +1,123 @@
+"""A ragged batch of sequences sharing one KV cache.
+
+Rows accept different numbers of draft tokens per forward, but a cache has
+one length for the whole batch. So every row owns the same number of cache
+*slots*, and a boolean `valid[b, s]` says which slots hold row b's committed
+tokens (in order). Left padding and the KV of rejected draft tokens are
+invalid slots ("holes"): they are masked out through the ordinary 2D
+attention mask, and each token carries its true `position_ids`, so attention
+over a row's valid slots is exactly attention over its committed text. Holes
+are squeezed out when they would waste much memory.
+
+Only the public transformers API is used: a `DynamicCache`, its `crop` and
+`batch_select_indices`, a 2D attention mask (or a 4D additive mask for tree
+verification) and explicit `position_ids`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class SlotBatch:
+    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, compact: bool = True):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.pad_token_id = pad_token_id
+        self.compact = compact
+        self.cache = DynamicCache(config=model.config)
+        self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
+        self.forward_seconds = 0.0
+        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row (prompt included): the next position id."""
+        return self.valid.sum(dim=1)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        query_valid: torch.Tensor,
+        positions: torch.Tensor,
+        tree: torch.Tensor | None = None,
+        **model_kwargs,
+    ) -> torch.Tensor:
+        """Run the model on `tokens` [B, Q] appended after the current slots.
+
+        `query_valid` marks real query tokens (others are row padding),
+        `positions` are their position ids. `tree` [B, Q, Q], if given, says
+        which new tokens each new token may attend to (default: causal).
+        Returns logits [B, Q, V]; the Q new slots stay in the cache until
+        `keep` decides which of them are committed.
+        """
+        if tree is None:
+            mask = torch.cat([self.valid, query_valid], dim=1).long()
+        else:
+            seen = tree & query_valid[:, None, :]
+            seen = torch.cat([self.valid[:, None, :].expand(-1, tokens.shape[1], -1), seen], dim=2)
+            dtype = self.model.dtype
+            mask = torch.zeros(seen.shape, dtype=dtype, device=self.device)
+            mask.masked_fill_(~seen, torch.finfo(dtype).min)
+            mask = mask[:, None]
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **model_kwargs,
+        )
+        self._sync()
+        self.forward_seconds += time.perf_counter() - start
+        self.valid = torch.cat([self.valid, torch.zeros_like(query_valid)], dim=1)
+        return out.logits
+
+    def keep(self, committed: torch.Tensor) -> None:
+        """Mark which of the last forward's Q slots hold committed tokens [B, Q]."""
+        q = committed.shape[1]
+        self.valid[:, -q:] = committed
+        # Slots after every row's last valid one are dead for all rows: crop them.
+        used = self.valid.any(dim=0).nonzero()
+        last = int(used[-1]) + 1 if len(used) else 0
+        if last < self.num_slots:
+            self.cache.crop(last - self.num_slots)
+            self.valid = self.valid[:, :last]
+        self._maybe_compact()
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only `rows` (finished sequences leave the batch)."""
+        index = torch.tensor(rows, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Squeeze out holes once they waste a quarter of the cache (and at least 32 slots)."""
+        counts = self.lengths()
+        width = int(counts.max()) if len(counts) else 0
+        waste = self.num_slots - width
+        if not self.compact or waste < max(32, self.num_slots // 4):
+            return
+        layers = getattr(self.cache, "layers", [])
+        # Sliding-window and other special layers keep their own bookkeeping: leave them alone.
+        if not layers or any(type(layer) is not DynamicLayer or layer.keys is None for layer in layers):
+            return
+        # Row b's valid slots, right-aligned into `width` slots (left padding for shorter rows).
+        order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
+        new_valid = torch.gather(self.valid, 1, order)
+        for layer in layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = torch.gather(layer.keys, 2, index)
+            layer.values = torch.gather(layer.values, 2, index)
+        self.valid = new_valid

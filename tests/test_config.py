@@ -1,0 +1,42 @@
+"""Typed configuration: unknown keys and wrong values are errors that say what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from jfcore.config import ConfigError, from_dict, load_file, replace
+from jfcore.decoding import DecodeConfig
+
+
+def test_builds_and_coerces():
+    config = from_dict(DecodeConfig, {"method": "multiblock", "block_size": 32, "spawn_ratio": 1})
+    assert config.block_size == 32 and config.spawn_ratio == 1.0 and config.num_blocks == 2
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"blocksize": 8}, "unknown key 'blocksize' (did you mean 'block_size'?)"),
+        ({"method": "beam"}, "DecodeConfig.method: 'beam' is not one of"),
+        ({"block_size": "8"}, "DecodeConfig.block_size: expected an integer"),
+        ({"block_size": True}, "expected an integer"),
+        ({"block_size": 0}, "block_size must be >= 1"),
+        ({"spawn_ratio": 1.5}, "spawn_ratio must be in (0, 1]"),
+        ({"record_trajectories": True, "method": "multiblock"}, "record_trajectories needs method 'jacobi'"),
+    ],
+)
+def test_rejects_bad_input(data, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict(DecodeConfig, data)
+    assert message in str(err.value)
+
+
+def test_files_and_replace(tmp_path):
+    path = tmp_path / "decode.yaml"
+    path.write_text("method: jacobi\nblock_size: 64\n")
+    config = from_dict(DecodeConfig, load_file(path))
+    assert replace(config, block_size=8).block_size == 8
+    with pytest.raises(ConfigError, match="unknown key 'nope'"):
+        replace(config, nope=1)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_file(tmp_path / "missing.yaml")
