@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 # Tiny models gain nothing from a second thread, and two test processes (or a test and a
 # benchmark) each running two threads on a 2-core host slow each other down tenfold.

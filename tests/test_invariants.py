@@ -131,3 +131,33 @@ def test_stats_are_consistent():
     assert 0 < s.forward_seconds <= s.decode_seconds and 0 <= s.overhead < 1
     assert s.tps == pytest.approx(s.new_tokens / (s.prefill_seconds + s.decode_seconds))
     assert set(s.as_dict()) >= {"tpf", "tps", "decode_tps", "overhead", "new_tokens", "decode_forwards"}
+
+
+def test_promoted_block_keeps_its_progress():
+    """When acceptance runs past block 0 into block 1, block 1 is promoted with its verified
+    tokens committed and the rest of its draft updated, not restarted from filler."""
+    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+
+    config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100)
+    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
+    row = _Row(0, [1, 2, 3], out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
+    # The model confirms 11 and 12 (crossing into block 1) and rejects 13, predicting 40 instead.
+    predictions = [11, 12, 40, 50, 51, 52]
+    kept = decoder._verify(row, predictions, cands=[])
+    assert kept == [0, 1, 2]
+    assert row.out == [8, 9, 10, 11, 12]
+    assert row.blocks == [[40, 50, 51]] and row.sizes == [4] and row.done == 1
+
+
+def test_pseudo_active_block_spawns_from_the_model_guess():
+    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+
+    config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100,
+                          spawn_ratio=0.75)
+    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
+    decoder.vocab_size = 96
+    row = _Row(0, [1, 2, 3], out=[], blocks=[[10, 11, 12, 13]], sizes=[4])
+    # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
+    decoder._verify(row, [11, 12, 30, 77], cands=[])
+    assert row.out == [10, 11, 12]
+    assert row.blocks[0] == [30] and row.blocks[1][0] == 77 and len(row.blocks[1]) == 4

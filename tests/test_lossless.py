@@ -27,7 +27,7 @@ def references(m, prompts, max_new, eos):
 prompt = st.lists(st.integers(0, 95), min_size=1, max_size=14)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from([*ARCHITECTURES, "position"]),
     method=st.sampled_from(["jacobi", "multiblock"]),

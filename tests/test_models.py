@@ -14,7 +14,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from jfcore import models as jm
 from jfcore.config import ConfigError, from_dict
-from jfcore.models import ModelConfig, ModelLoadError, load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
+from jfcore.models import (
+    ModelConfig,
+    ModelLoadError,
+    load_model,
+    model_fingerprint,
+    resolve_checkpoint,
+    tokenizer_fingerprint,
+)
 
 SHARED_DATA = Path(os.environ.get("JF_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 

@@ -92,7 +92,7 @@ class JacobiDecoder:
 
         start = time.perf_counter()
         batch = SlotBatch(self.model, [r.prompt for r in rows], self.pad)
-        tokens, valid, positions = _left_pad([r.prompt for r in rows], self.pad, batch.device)
+        tokens, valid, positions = _left_pad([r.prompt for r in rows], self.pad)
         logits = batch.forward(tokens, valid, positions, **self.prefill_kwargs)
         batch.keep(valid)
         self.vocab_size = logits.shape[-1]
@@ -127,7 +127,7 @@ class JacobiDecoder:
     # -- one decode forward for every active row ---------------------------------------------
 
     def _step(self, batch: SlotBatch, rows: list[_Row], step: int) -> None:
-        base = batch.lengths().tolist()
+        base = [len(r.prompt) + r.verified for r in rows]  # next position = committed tokens, no device sync
         layouts = [self._layout(row) for row in rows]
         width = max(len(inputs) for inputs, _, _ in layouts)
         tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
@@ -142,10 +142,7 @@ class JacobiDecoder:
             valid[b, :n] = True
             if tree is not None:
                 _fill_tree(tree[b], n - sum(len(g) for _, g in cands), cands)
-        device = batch.device
-        logits = batch.forward(
-            tokens.to(device), valid.to(device), positions.to(device), None if tree is None else tree.to(device)
-        )
+        logits = batch.forward(tokens, valid, positions, tree)
         predictions = logits.argmax(-1).tolist()  # the one host sync per forward
         keep = torch.zeros((len(rows), width), dtype=torch.bool)
         accepted = []
@@ -153,7 +150,7 @@ class JacobiDecoder:
             slots = self._verify(row, predictions[b], cands)
             keep[b, slots] = True
             accepted.append(len(slots))
-        batch.keep(keep.to(device))
+        batch.keep(keep)
         if self.on_step is not None:
             committed = [len(r.prompt) + r.verified for r in rows]
             self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist()))
@@ -291,7 +288,7 @@ def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:
         tree[span, span] = torch.ones(len(gram), len(gram), dtype=torch.bool).tril()
 
 
-def _left_pad(prompts: list[list[int]], pad: int, device: torch.device):
+def _left_pad(prompts: list[list[int]], pad: int):
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
     valid = torch.zeros((len(prompts), width), dtype=torch.bool)
@@ -299,4 +296,4 @@ def _left_pad(prompts: list[list[int]], pad: int, device: torch.device):
         tokens[b, width - len(p) :] = torch.tensor(p)
         valid[b, width - len(p) :] = True
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    return tokens.to(device), valid.to(device), positions.to(device)
+    return tokens, valid, positions

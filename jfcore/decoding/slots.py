@@ -7,7 +7,8 @@ tokens (in order). Left padding and the KV of rejected draft tokens are
 invalid slots ("holes"): they are masked out through the ordinary 2D
 attention mask, and each token carries its true `position_ids`, so attention
 over a row's valid slots is exactly attention over its committed text. Holes
-are squeezed out when they would waste much memory.
+are squeezed out when they would waste much memory. The bookkeeping lives on
+the host, so it costs no device sync.
 
 Only the public transformers API is used: a `DynamicCache`, its `crop` and
 `batch_select_indices`, a 2D attention mask (or a 4D additive mask for tree
@@ -32,7 +33,7 @@ class SlotBatch:
         self.pad_token_id = pad_token_id
         self.compact = compact
         self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
+        self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool)  # on the host
         self.forward_seconds = 0.0
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
@@ -54,26 +55,28 @@ class SlotBatch:
     ) -> torch.Tensor:
         """Run the model on `tokens` [B, Q] appended after the current slots.
 
-        `query_valid` marks real query tokens (others are row padding),
-        `positions` are their position ids. `tree` [B, Q, Q], if given, says
-        which new tokens each new token may attend to (default: causal).
+        All inputs are host tensors. `query_valid` marks real query tokens
+        (others are row padding), `positions` are their position ids. `tree`
+        [B, Q, Q], if given, says which new tokens each new token may attend
+        to (default: causal).
         Returns logits [B, Q, V]; the Q new slots stay in the cache until
         `keep` decides which of them are committed.
         """
         if tree is None:
-            mask = torch.cat([self.valid, query_valid], dim=1).long()
+            mask = torch.cat([self.valid, query_valid], dim=1).long().to(self.device, non_blocking=True)
         else:
             seen = tree & query_valid[:, None, :]
             seen = torch.cat([self.valid[:, None, :].expand(-1, tokens.shape[1], -1), seen], dim=2)
+            seen = seen.to(self.device, non_blocking=True)
             dtype = self.model.dtype
             mask = torch.zeros(seen.shape, dtype=dtype, device=self.device)
             mask.masked_fill_(~seen, torch.finfo(dtype).min)
             mask = mask[:, None]
         start = time.perf_counter()
         out = self.model(
-            input_ids=tokens,
+            input_ids=tokens.to(self.device, non_blocking=True),
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=positions.to(self.device, non_blocking=True),
             past_key_values=self.cache,
             use_cache=True,
             **model_kwargs,
@@ -84,7 +87,7 @@ class SlotBatch:
         return out.logits
 
     def keep(self, committed: torch.Tensor) -> None:
-        """Mark which of the last forward's Q slots hold committed tokens [B, Q]."""
+        """Mark which of the last forward's Q slots hold committed tokens [B, Q] (host)."""
         q = committed.shape[1]
         self.valid[:, -q:] = committed
         # Slots after every row's last valid one are dead for all rows: crop them.
@@ -97,8 +100,8 @@ class SlotBatch:
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (finished sequences leave the batch)."""
-        index = torch.tensor(rows, device=self.device)
-        self.cache.batch_select_indices(index)
+        index = torch.tensor(rows)
+        self.cache.batch_select_indices(index.to(self.device))
         self.valid = self.valid[index]
         self._maybe_compact()
 
@@ -116,6 +119,7 @@ class SlotBatch:
         # Row b's valid slots, right-aligned into `width` slots (left padding for shorter rows).
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
         new_valid = torch.gather(self.valid, 1, order)
+        order = order.to(self.device)
         for layer in layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = torch.gather(layer.keys, 2, index)

@@ -1,0 +1,152 @@
+"""`jf-decode`: decode a few prompts with the project's lossless parallel decoder.
+
+    jf-decode                                   # 3 real prompts (GSM8K, HumanEval, MBPP), Jacobi n=16
+    jf-decode --method multiblock --compare     # also run HF greedy `generate`: same tokens? how much faster?
+    jf-decode --prompt "Write a haiku about caches." --max-new-tokens 64
+    jf-decode --prompts-file my.jsonl --field question --limit 5
+
+Every method is greedy, so the completion is the one `generate(do_sample=False)`
+gives; only the number of forward passes (and the time) changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from jfcore.chat import encode_chat, read_jsonl
+from jfcore.config import ConfigError
+from jfcore.decoding import DecodeConfig, decode, special_tokens
+from jfcore.decoding.reference import first_divergence, hf_generate
+from jfcore.models import ModelConfig, load_model
+from jfcore.paths import eval_prompts
+
+DEFAULT_SETS = ("gsm8k", "humaneval", "mbpp")  # one prompt of each when no prompt is given
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jf-decode",
+        description="Greedy-decode prompts with Jacobi / multiblock decoding and print completions and speed.",
+        epilog="Default prompts: the first GSM8K, HumanEval and MBPP test prompts from the shared data dir.",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="preset, checkpoint dir, .gguf file or hub id")
+    p.add_argument("--method", choices=["jacobi", "multiblock", "ar"], default="jacobi")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (jacobi/multiblock)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt text(s) to decode")
+    src.add_argument("--prompts-file", type=Path, metavar="F", help="JSONL (or .jsonl.gz) file of prompts")
+    p.add_argument("--field", default="prompt", help="JSON field of the prompt in --prompts-file (default: prompt)")
+    p.add_argument("--limit", type=int, default=3, help="prompts to read from --prompts-file (default: 3)")
+    p.add_argument("--data-dir", type=Path, help="shared data dir (default: $JF_SHARED_DATA or <repo>/../shared/data)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager, flash_attention_2, ...)")
+    p.add_argument("--compare", action="store_true", help="also run HF greedy generate: identical tokens? speedup?")
+    return p
+
+
+def _prompts(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, text) pairs to decode."""
+    if args.prompt:
+        return [(f"prompt {i}", text) for i, text in enumerate(args.prompt, 1)]
+    if args.prompts_file:
+        texts = read_jsonl(args.prompts_file, args.field, args.limit)
+        if not texts:
+            raise ConfigError(f"no prompts in {args.prompts_file}")
+        return [(f"{args.prompts_file.name}:{i}", text) for i, text in enumerate(texts, 1)]
+    return [(name, eval_prompts(name, 1, args.data_dir)[0]) for name in DEFAULT_SETS]
+
+
+def _timed(fn, sync):
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        prompts = _prompts(args)  # before loading the model: bad paths fail fast
+        config = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens)
+        model_config = ModelConfig(
+            name_or_path=args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn
+        )
+        print(f"loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
+        model, tokenizer = load_model(model_config)
+    except (OSError, ConfigError) as err:  # missing files, bad settings, unloadable models (ModelLoadError)
+        print(f"jf-decode: error: {err}", file=sys.stderr)
+        return 2
+    except KeyError as err:  # a prompt field that is not there
+        print(f"jf-decode: error: {err.args[0]}", file=sys.stderr)
+        return 2
+
+    eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    encoded = [encode_chat(tokenizer, text) for _, text in prompts]
+    what = "AR" if args.method == "ar" else f"{args.method} n={args.block_size}"
+    print(f"decoding {len(prompts)} prompt(s) with {what}, up to {args.max_new_tokens} new tokens\n")
+
+    # Warm-up: the first calls pay one-off costs (allocator, kernels) that would bias the timings.
+    warm = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=4)
+    decode(model, encoded[:1], warm, eos_token_id=eos, pad_token_id=pad)
+    if args.compare:
+        hf_generate(model, encoded[:1], 4, eos, pad)
+
+    totals = {"tokens": 0, "forwards": 0, "seconds": 0.0, "hf_tokens": 0, "hf_seconds": 0.0, "identical": 0}
+    for i, ((label, text), ids) in enumerate(zip(prompts, encoded), 1):
+        out, seconds = _timed(lambda: decode(model, [ids], config, eos_token_id=eos, pad_token_id=pad), sync)
+        tokens, stats = out.sequences[0], out.stats
+        print(f"[{i}/{len(prompts)}] {label}: {_one_line(text)}")
+        print("-" * 100)
+        print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
+        print("-" * 100)
+        print(
+            f"{stats.new_tokens} new tokens | {stats.decode_forwards} forwards | TPF {stats.tpf:.2f} | "
+            f"{stats.new_tokens / seconds:.1f} tokens/s (decode only {stats.decode_tps:.1f}) | "
+            f"overhead {stats.overhead:.0%}"
+        )
+        totals["tokens"] += stats.new_tokens
+        totals["forwards"] += stats.decode_forwards
+        totals["seconds"] += seconds
+        if args.compare:
+            reference, hf_seconds = _timed(lambda: hf_generate(model, [ids], args.max_new_tokens, eos, pad)[0], sync)
+            same = reference == tokens
+            totals["identical"] += same
+            totals["hf_tokens"] += len(reference)
+            totals["hf_seconds"] += hf_seconds
+            verdict = "identical tokens" if same else f"DIFFERENT tokens from {first_divergence(tokens, reference)} on"
+            hf_tps = len(reference) / hf_seconds
+            speedup = len(tokens) / seconds / hf_tps
+            print(f"HF greedy generate: {verdict} | {hf_tps:.1f} tokens/s | speedup {speedup:.2f}x")
+        print()
+
+    t = totals
+    tps = t["tokens"] / t["seconds"]
+    tpf = t["tokens"] / max(t["forwards"], 1)
+    summary = f"total: {t['tokens']} tokens in {t['seconds']:.1f} s ({tps:.1f} tokens/s), TPF {tpf:.2f}"
+    if args.compare:
+        hf_tps = t["hf_tokens"] / t["hf_seconds"]
+        summary += f"; vs HF greedy: {t['identical']}/{len(prompts)} identical, speedup {tps / hf_tps:.2f}x"
+    print(summary)
+    if args.method != "ar" and tpf < 1.5:
+        print("(TPF near 1: the model accepts about one draft token per forward, as an untrained model does; "
+              "Jacobi Forcing training is what raises it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

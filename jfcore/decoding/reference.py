@@ -1,0 +1,56 @@
+"""HF `generate` as the reference every decoder is compared with.
+
+Each of the project's decoders must return exactly these tokens in float32;
+evaluation and benchmarks measure speedups against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def hf_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    **generate_kwargs,
+) -> list[list[int]]:
+    """Greedy HF `generate` on token-id prompts (left-padded into one batch).
+
+    Returns the new tokens per prompt, cut after the first EOS like `decode`'s output.
+    Extra keyword arguments go to `generate` (e.g. `prompt_lookup_num_tokens=10`).
+    """
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(list(p))
+        mask[b, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_token_ids),
+            pad_token_id=pad_token_id,
+            **generate_kwargs,
+        )
+    return [cut_at_eos(row[:max_new_tokens], eos_token_ids) for row in out[:, width:].tolist()]
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids: Sequence[int]) -> list[int]:
+    """`tokens` up to and including the first EOS."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos_token_ids), len(tokens))
+    return tokens[:end]
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
+    """Index of the first token that differs from the reference (the length when they are equal)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))

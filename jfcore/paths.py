@@ -1,0 +1,38 @@
+"""Where the shared data lives, and the evaluation prompt sets in it.
+
+The one place that resolves the data folder: `$JF_SHARED_DATA` if set, else
+`shared/data` beside the repository (`<repo>/../shared/data`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jfcore.chat import read_jsonl
+
+# name -> (file under the data dir, field holding the prompt text)
+EVAL_SETS: dict[str, tuple[str, str]] = {
+    "gsm8k": ("eval/gsm8k_test.jsonl", "question"),
+    "humaneval": ("eval/humaneval.jsonl.gz", "prompt"),
+    "mbpp": ("eval/mbpp_sanitized_test.jsonl", "prompt"),
+}
+
+
+def default_data_dir() -> Path:
+    """`$JF_SHARED_DATA`, else `<repo>/../shared/data`."""
+    env = os.environ.get("JF_SHARED_DATA")
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def eval_prompts(name: str, limit: int | None = None, data_dir: str | Path | None = None) -> list[str]:
+    """The first `limit` prompt texts of the evaluation set `name` (see EVAL_SETS)."""
+    if name not in EVAL_SETS:
+        raise KeyError(f"unknown evaluation set '{name}' (known: {', '.join(EVAL_SETS)})")
+    relative, field = EVAL_SETS[name]
+    path = Path(data_dir) if data_dir is not None else default_data_dir()
+    if not (path / relative).is_file():
+        raise FileNotFoundError(
+            f"{name} prompts not found at {path / relative}; point --data-dir or $JF_SHARED_DATA at the shared data"
+        )
+    return read_jsonl(path / relative, field, limit)

@@ -1,0 +1,88 @@
+"""The decoding benchmark (bench/decode_bench.py) and the jf-decode CLI, end to end on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from jfcore import cli
+from jfcore.decoding.reference import first_divergence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ sits at the repo root, not installed
+from bench import decode_bench
+
+PROJECT_METHODS = ("ar", "jacobi_n4", "jacobi_n8", "multiblock_n4")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A random 2-layer Llama with a word-level tokenizer (words w0..w124)."""
+    path = tmp_path_factory.mktemp("tiny")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(125)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "toy.jsonl"
+    path.write_text('{"q": "w1 w2 w3 w4 w5 w1 w2"}\n{"q": "w9 w8 w7 w9 w8"}\n')
+    return path
+
+
+def test_bench_writes_every_method_and_project_methods_are_exact(tiny, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--model", str(tiny), "--prompts", str(prompts_file), "--field", "q", "--max-new-tokens", "12",
+            "--block-sizes", "4,8", "--multiblock-size", "4", "--warmup-tokens", "2", "--out", str(out)]
+    assert decode_bench.main(args) == 0
+    result = json.loads(out.read_text())
+
+    agg = result["aggregates"]
+    lengths = [n for b in result["batches"] for n in b["methods"]["hf_greedy"]["new_tokens"]]
+    assert set(agg) == {"hf_greedy", *PROJECT_METHODS, "hf_prompt_lookup"} == set(result["methods"])
+    for name in PROJECT_METHODS:
+        assert agg[name]["exact"] == 1.0, name  # lossless in float32
+        assert agg[name]["first_divergence_min"] == min(lengths)  # equal outputs diverge at their length
+    assert agg["hf_greedy"]["speedup"] == pytest.approx(1.0)
+    # AR: the prefill gives the first token, then one token per forward.
+    assert agg["ar"]["decode_forwards"] == agg["ar"]["new_tokens"] - agg["ar"]["prompts"]
+    assert 1.0 < agg["ar"]["tpf"] < 1.2
+    assert agg["hf_greedy"]["decode_forwards"] == agg["ar"]["decode_forwards"]
+    assert len(result["batches"]) == 2 and result["environment"]["torch"] == torch.__version__
+    assert result["settings"]["block_sizes"] == [4, 8]
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_cli_compare_reports_identical_tokens(tiny, capsys):
+    code = cli.main(["--model", str(tiny), "--prompt", "w1 w2 w3", "w4 w5 w4 w5", "--max-new-tokens", "10",
+                     "--block-size", "4", "--method", "multiblock", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "[2/2] prompt 2: w4 w5 w4 w5" in out
+    assert out.count("HF greedy generate: identical tokens") == 2
+    assert "2/2 identical" in out and "TPF" in out
+
+
+def test_cli_errors_are_clear(tiny, prompts_file, capsys):
+    assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file.with_name("missing.jsonl"))]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file), "--field", "question"]) == 2
+    assert "no field 'question' (fields: q)" in capsys.readouterr().err
