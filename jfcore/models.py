@@ -9,6 +9,7 @@ or trained like a plain one; later loads read the checkpoint directly.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -168,31 +169,50 @@ def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
     if config.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("attn_implementation 'flash_attention_2' needs the flash-attn package; use 'sdpa'")
     checkpoint = resolve_checkpoint(config)
-    is_hub = not Path(checkpoint).is_dir()
-    hub_args = {"revision": config.revision, "gguf_file": config.gguf_file} if is_hub else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=config.trust_remote_code, **hub_args)
+    tokenizer = load_tokenizer(config, checkpoint)
+    with _hub_errors(checkpoint):
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint,
             dtype=getattr(torch, config.dtype),
             attn_implementation=config.attn_implementation,
             trust_remote_code=config.trust_remote_code,
-            **hub_args,
+            **_hub_args(config, checkpoint),
         )
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(config.device).eval(), tokenizer
+
+
+def load_tokenizer(config: ModelConfig, checkpoint: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, prepared for batched decoding: a pad token (eos if none) and left padding."""
+    checkpoint = checkpoint or resolve_checkpoint(config)
+    with _hub_errors(checkpoint):
+        tokenizer = AutoTokenizer.from_pretrained(
+            checkpoint, trust_remote_code=config.trust_remote_code, **_hub_args(config, checkpoint)
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _hub_args(config: ModelConfig, checkpoint: str) -> dict:
+    return {"revision": config.revision, "gguf_file": config.gguf_file} if not Path(checkpoint).is_dir() else {}
+
+
+@contextlib.contextmanager
+def _hub_errors(checkpoint: str):
+    """A failed hub download becomes an error that says what else name_or_path may be."""
+    try:
+        yield
     except OSError as err:
-        if not is_hub:
+        if Path(checkpoint).is_dir():
             raise
         raise ModelLoadError(
             f"model '{checkpoint}' is not a local directory, a .gguf file, or a preset "
             f"(presets: {', '.join(PRESETS)}); downloading it from the hub failed: {err}. "
             "Point name_or_path at a local checkpoint or set HF_HUB_OFFLINE=0 with network"
         ) from err
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.to(config.device).eval(), tokenizer
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:

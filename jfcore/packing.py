@@ -1,0 +1,301 @@
+"""Packing Jacobi trajectories into training sequences (DESIGN.md section 2).
+
+One packed sequence per prompt: [prompt][k_0][l_0]...[k_{T-1}][l_{T-1}], where
+l_j is block j's fixed point and k_j the state of block j's trajectory whose
+noise level is nearest the schedule's target. k_j and l_j share position ids
+P + j*n + t, so one forward with the noise-aware mask computes teacher (clean
+stream) and student (noisy stream).
+
+Every block is n long in the packed sequence: a prompt's last block may be
+shorter (it ended at EOS or max_new_tokens), so its k and l copies are padded
+with `pad_token_id`. The trainer must find padding through `valid_lengths`,
+never through the PAD id, which may also be a real token. Noise levels of such
+a block are taken over its valid length m, (m - d) / m, so t = 0 still selects
+its fixed point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from jfcore.config import check, to_dict
+from jfcore.trajectories import TOKENS, first_mismatch
+
+# The Parquet schema of packed shards: one row per prompt.
+PACKED_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string()),
+        pa.field("input_ids", TOKENS),  # [prompt][k_0][l_0]...: length P + 2Tn
+        pa.field("position_ids", TOKENS),  # prompt 0..P-1; k_j and l_j both P + j*n + t
+        pa.field("prompt_length", pa.int32()),  # P
+        pa.field("block_size", pa.int32()),  # n
+        pa.field("num_blocks", pa.int32()),  # T (after any blocks dropped for max_length)
+        pa.field("first_mismatch", TOKENS),  # per block: first index where k_j != l_j (valid length when equal)
+        pa.field("noise_levels", pa.list_(pa.float32())),  # per block: noise level of k_j
+        pa.field("valid_lengths", TOKENS),  # per block: tokens before padding (n except maybe the last block)
+    ]
+)
+
+# The trajectory columns packing reads (jfcore.trajectories.TRAJECTORY_SCHEMA).
+REQUIRED_COLUMNS = (
+    "prompt_id", "block_index", "block_size", "prompt_length", "context",
+    "states", "fixed_point", "last_block", "tokenizer_fingerprint",
+)  # fmt: skip
+HISTOGRAM_BINS = 10
+# Targets are floats and noise levels exact ratios: distances within this are ties.
+TIE_TOLERANCE = 1e-9
+
+
+class PackingError(ValueError):
+    """The trajectory shards cannot be packed; the message names the file or prompt and why."""
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """How to choose each block's noisy state and shape the packed sequences."""
+
+    strategy: Literal["progressive", "random"] = "progressive"
+    window: int = 8  # w: the progressive ramp restarts every w blocks
+    min_noise: float = 0.0
+    max_noise: float = 1.0
+    seed: int = 0  # for the random strategy
+    max_length: int | None = None  # drop whole blocks from the end to fit; None: no cap
+    pad_token_id: int = 0  # fills short last blocks; any valid token id (see module docstring)
+    expected_tokenizer_fingerprint: str | None = None  # refuse shards made with another tokenizer
+    sequences_per_shard: int = 4096
+
+    def __post_init__(self) -> None:
+        check(self.strategy in ("progressive", "random"), f"unknown strategy {self.strategy!r}")
+        check(self.window >= 1, f"window must be >= 1, got {self.window}")
+        check(
+            0.0 <= self.min_noise <= self.max_noise <= 1.0,
+            f"need 0 <= min_noise <= max_noise <= 1, got min_noise={self.min_noise}, max_noise={self.max_noise}",
+        )
+        check(self.max_length is None or self.max_length >= 1, f"max_length must be >= 1, got {self.max_length}")
+        check(self.pad_token_id >= 0, f"pad_token_id must be >= 0, got {self.pad_token_id}")
+        check(self.sequences_per_shard >= 1, f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
+
+
+@dataclass
+class PackingStats:
+    sequences: int = 0
+    tokens: int = 0  # packed tokens, padding included
+    blocks: int = 0
+    consistency_blocks: int = 0  # blocks with k_j != l_j: the only ones with consistency loss
+    skipped: int = 0  # prompts whose first block alone exceeds max_length
+    dropped_blocks: int = 0  # blocks cut from the end of sequences to respect max_length
+    noise_histogram: list[int] = field(default_factory=lambda: [0] * HISTOGRAM_BINS)  # equal bins over [0, 1]
+    tokenizer_fingerprint: str | None = None
+    shards: list[str] = field(default_factory=list)  # packed shard file names
+
+    @property
+    def consistency_share(self) -> float:
+        return self.consistency_blocks / self.blocks if self.blocks else 0.0
+
+    def add(self, seq: dict) -> None:
+        self.sequences += 1
+        self.tokens += len(seq["input_ids"])
+        self.blocks += seq["num_blocks"]
+        for d, m in zip(seq["first_mismatch"], seq["valid_lengths"]):
+            self.consistency_blocks += d < m
+            self.noise_histogram[min((m - d) * HISTOGRAM_BINS // m, HISTOGRAM_BINS - 1)] += 1  # exact integer binning
+
+    def as_dict(self) -> dict:
+        edges = [i / HISTOGRAM_BINS for i in range(HISTOGRAM_BINS + 1)]
+        return dataclasses.asdict(self) | {"consistency_share": self.consistency_share, "histogram_edges": edges}
+
+
+def noise_level(first_mismatch: int, n: int) -> float:
+    """(n - d) / n for a state whose first mismatch with the fixed point is d: 0 for the fixed point."""
+    return (n - first_mismatch) / n
+
+
+def block_target(config: PackingConfig, prompt_id: str, block_index: int) -> float:
+    """The noise level the schedule asks for at block `block_index` of `prompt_id`."""
+    lo, hi = config.min_noise, config.max_noise
+    if config.strategy == "random":
+        # Hash of (seed, prompt, block) rather than a running generator: independent of shard and prompt order.
+        key = f"{config.seed}\0{prompt_id}\0{block_index}".encode()
+        u = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
+        return lo + u * (hi - lo)
+    if config.window == 1:
+        return lo
+    return float(np.linspace(lo, hi, config.window)[block_index % config.window])
+
+
+def choose_state(mismatches: Sequence[int], length: int, target: float) -> int:
+    """Index of the state whose noise level is nearest `target`; ties go to the noisier, earlier state."""
+    noise = [noise_level(d, length) for d in mismatches]
+    best = min(abs(x - target) for x in noise)
+    tied = [i for i, x in enumerate(noise) if abs(x - target) <= best + TIE_TOLERANCE]
+    return max(tied, key=lambda i: (noise[i], -i))
+
+
+def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig) -> dict | None:
+    """The packed sequence of one prompt from all its trajectory rows (None: too long for max_length)."""
+    rows = sorted(rows, key=lambda r: r["block_index"])
+    if problem := _prompt_problem(rows):
+        raise PackingError(f"prompt {prompt_id!r}: {problem} (the trajectory shards are inconsistent)")
+    n, P = rows[0]["block_size"], rows[0]["prompt_length"]
+    T = len(rows) if config.max_length is None else min(len(rows), (config.max_length - P) // (2 * n))
+    if T <= 0:
+        return None
+    seq = {"prompt_id": prompt_id, "input_ids": rows[0]["context"][:P], "position_ids": list(range(P)),
+           "prompt_length": P, "block_size": n, "num_blocks": T,
+           "first_mismatch": [], "noise_levels": [], "valid_lengths": []}  # fmt: skip
+    for j, row in enumerate(rows[:T]):
+        fixed, m = row["fixed_point"], len(row["fixed_point"])
+        mismatches = [first_mismatch(s, fixed) for s in row["states"]]
+        chosen = choose_state(mismatches, m, block_target(config, prompt_id, j))
+        pad = [config.pad_token_id] * (n - m)
+        seq["input_ids"] += row["states"][chosen] + pad + fixed + pad
+        seq["position_ids"] += list(range(P + j * n, P + (j + 1) * n)) * 2
+        seq["first_mismatch"].append(mismatches[chosen])
+        seq["noise_levels"].append(noise_level(mismatches[chosen], m))
+        seq["valid_lengths"].append(m)
+    return seq
+
+
+def _prompt_problem(rows: list[dict]) -> str | None:
+    """Why the rows of one prompt do not tile its response, or None when they do."""
+    indices = [r["block_index"] for r in rows]
+    if indices != list(range(len(rows))):
+        return f"block indices {indices} are not 0..{len(rows) - 1} (a block is missing or duplicated)"
+    if [r["last_block"] for r in rows] != [False] * (len(rows) - 1) + [True]:
+        return "only the final block, and always it, must be marked last_block (a shard is missing?)"
+    n, P = rows[0]["block_size"], rows[0]["prompt_length"]
+    text = rows[0]["context"][:P]
+    for j, row in enumerate(rows):
+        fixed, states = row["fixed_point"], row["states"]
+        if (row["block_size"], row["prompt_length"]) != (n, P):
+            return f"block {j} has another block size or prompt length than block 0"
+        if row["context"] != text:
+            return f"block {j}'s context is not the prompt followed by the fixed points of blocks < {j}"
+        if not (len(fixed) == n or (j == len(rows) - 1 and 1 <= len(fixed) < n)):
+            return f"block {j} has {len(fixed)} tokens; only the last block may be shorter than n={n}"
+        if not states or states[-1] != fixed or any(len(s) != len(fixed) for s in states):
+            return f"block {j}'s states must be {len(fixed)} tokens each and end at the fixed point"
+        text = text + fixed
+    return None
+
+
+def pack_shards(paths: Sequence[str | Path], out_dir: str | Path, config: PackingConfig) -> PackingStats:
+    """Pack trajectory shards (files, or folders of *.parquet) into packed shards + stats.json in `out_dir`."""
+    files = _expand(paths)
+    tables = [_read_shard(f) for f in files]
+    stats = PackingStats(tokenizer_fingerprint=_check_shards(files, tables, config))
+    # Everything is held in memory (fine for tens of thousands of prompts). A prompt's blocks may
+    # sit in any shard, so grouping needs all rows; at larger scale sort by prompt_id and stream.
+    by_prompt: dict[str, list[dict]] = defaultdict(list)
+    for table in tables:
+        for row in table.to_pylist():
+            by_prompt[row["prompt_id"]].append(row)
+    del tables
+    packed = []
+    for prompt_id in sorted(by_prompt):
+        seq = pack_prompt(prompt_id, by_prompt[prompt_id], config)
+        if seq is None:
+            stats.skipped += 1
+            continue
+        stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+        stats.add(seq)
+        packed.append(seq)
+    if not packed:
+        raise PackingError(f"no prompt fits max_length={config.max_length} (all {stats.skipped} skipped)")
+    _write(packed, Path(out_dir), config, stats)
+    return stats
+
+
+def _expand(paths: Sequence[str | Path]) -> list[Path]:
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(path.glob("*.parquet"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise PackingError(f"trajectory shard not found: {path}")
+    if not files:
+        raise PackingError(f"no trajectory shards to pack (given: {[str(p) for p in paths]})")
+    return files
+
+
+def _read_shard(path: Path) -> pa.Table:
+    try:
+        names = pq.read_schema(path).names
+        missing = [c for c in REQUIRED_COLUMNS if c not in names]
+        if missing:
+            raise PackingError(
+                f"{path}: not a trajectory shard: missing column(s) {', '.join(missing)} "
+                "(expected the schema of jfcore.trajectories.TRAJECTORY_SCHEMA)"
+            )
+        return pq.read_table(path, columns=list(REQUIRED_COLUMNS))
+    except (pa.ArrowException, OSError) as err:
+        raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+
+
+def _check_shards(files: list[Path], tables: list[pa.Table], config: PackingConfig) -> str:
+    """Refuse empty input, mixed block sizes and foreign tokenizers; return the tokenizer fingerprint."""
+    if sum(t.num_rows for t in tables) == 0:
+        raise PackingError(f"the trajectory shards hold no rows: {', '.join(map(str, files))}")
+    sizes: dict[int, Path] = {}  # value -> the first file that has it
+    tokenizers: dict[str, Path] = {}
+    expected = config.expected_tokenizer_fingerprint
+    for path, table in zip(files, tables):
+        for n in pc.unique(table["block_size"]).to_pylist():
+            sizes.setdefault(n, path)
+        for fp in pc.unique(table["tokenizer_fingerprint"]).to_pylist():
+            tokenizers.setdefault(fp, path)
+            if expected is not None and fp != expected:
+                raise PackingError(
+                    f"{path}: made with tokenizer fingerprint {fp!r}, but the configured tokenizer has {expected!r}; "
+                    "regenerate the trajectories with this tokenizer, or point the recipe at the model that made them"
+                )
+    if len(sizes) > 1:
+        (a, fa), (b, fb) = list(sizes.items())[:2]
+        raise PackingError(f"mixed block sizes: n={a} in {fa} but n={b} in {fb}; pack one block size at a time")
+    if len(tokenizers) > 1:
+        (a, fa), (b, fb) = list(tokenizers.items())[:2]
+        raise PackingError(f"mixed tokenizers: fingerprint {a!r} in {fa} but {b!r} in {fb}")
+    return next(iter(tokenizers))
+
+
+def _write(packed: list[dict], out_dir: Path, config: PackingConfig, stats: PackingStats) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stats.json").unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
+    step = config.sequences_per_shard
+    for i, start in enumerate(range(0, len(packed), step)):
+        path = out_dir / f"packed-{i:05d}.parquet"
+        table = pa.Table.from_pylist(packed[start : start + step], schema=PACKED_SCHEMA)
+        _atomic(path, functools.partial(pq.write_table, table, compression="zstd"))
+        stats.shards.append(path.name)
+    for stale in out_dir.glob("packed-*.parquet"):  # left by an earlier run with more shards
+        if stale.name not in stats.shards:
+            stale.unlink()
+    # Written last: its presence marks a complete packed set.
+    text = json.dumps(stats.as_dict() | {"config": to_dict(config)}, indent=2)
+    _atomic(out_dir / "stats.json", lambda tmp: tmp.write_text(text))
+
+
+def _atomic(path: Path, write) -> None:
+    """Write through a temp file and rename, so a crash never leaves a half-written file under `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,122 @@
+"""Trajectory shards on disk: planning, atomic writes, and a manifest that makes runs resumable.
+
+A run's output folder is named by a key over everything that determines its
+content (model, tokenizer, prompts, decoding settings), so a changed input
+never reuses stale shards. Inside it, each shard is written to a temporary
+file and renamed into place, and `manifest.json` lists the shards that are
+complete, with row counts and checksums. A rerun skips the shards in the
+manifest whose files still match and redoes the rest: a crash loses at most
+the shards in flight, and no row is ever written twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Prompts [start, stop) of the prompt set go into shard `index`."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}.parquet"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    name: str
+    rows: int
+    prompts: int
+    sha256: str
+
+
+def plan_shards(num_prompts: int, prompts_per_shard: int) -> list[ShardSpec]:
+    return [
+        ShardSpec(i, start, min(start + prompts_per_shard, num_prompts))
+        for i, start in enumerate(range(0, num_prompts, prompts_per_shard))
+    ]
+
+
+def run_key(**inputs: object) -> str:
+    """A short digest of everything that determines a run's output."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_shard(table: pa.Table, folder: Path, spec: ShardSpec, prompts: int) -> ShardRecord:
+    """Write `table` as the shard `spec` atomically (temp file + rename); return its record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{spec.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        record = ShardRecord(spec.name, table.num_rows, prompts, file_sha256(Path(tmp)))
+        os.replace(tmp, folder / spec.name)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return record
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return {"shards": {}}
+    return json.loads(path.read_text())
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Replace the manifest atomically: readers see the old or the new one, never half of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(tmp, folder / MANIFEST)
+
+
+def completed_shards(folder: Path, specs: list[ShardSpec]) -> dict[str, ShardRecord]:
+    """Shards of `specs` the manifest lists and whose files still match their checksums."""
+    listed = read_manifest(folder)["shards"]
+    done = {}
+    for spec in specs:
+        entry = listed.get(spec.name)
+        path = folder / spec.name
+        if entry and path.is_file() and file_sha256(path) == entry["sha256"]:
+            done[spec.name] = ShardRecord(**entry)
+    return done
+
+
+def record_shard(folder: Path, record: ShardRecord, settings: dict) -> None:
+    """Add a finished shard to the manifest (the single writer is the driver process)."""
+    manifest = read_manifest(folder)
+    manifest["settings"] = settings
+    manifest["shards"][record.name] = asdict(record)
+    write_manifest(folder, manifest)
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Temporary files left by a crashed writer are garbage: the manifest never lists them."""
+    for tmp in folder.glob(".shard-*.tmp"):
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,125 @@
+"""Jacobi trajectories as table rows: one row per (prompt, block).
+
+A row holds everything the packing stage needs to rebuild the block: the
+context the block was decoded in (prompt + fixed points of earlier blocks),
+every state the block passed through, its fixed point, and each state's
+first mismatch against the fixed point. Token ids are int32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import pyarrow as pa
+import torch
+
+from jfcore.config import check
+from jfcore.decoding import BlockTrajectory, DecodeConfig, decode
+
+TOKENS = pa.list_(pa.int32())
+
+# The Parquet schema of trajectory shards (documented in README "Trajectory shards").
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string()),  # stable id of the prompt within its prompt set
+        pa.field("block_index", pa.int32()),  # k: 0 for the block right after the prompt
+        pa.field("block_size", pa.int32()),  # n the trajectory was decoded with
+        pa.field("prompt_length", pa.int32()),  # P: the first P context tokens are the prompt
+        pa.field("context", TOKENS),  # prompt + fixed points of blocks < k
+        pa.field("states", pa.list_(TOKENS)),  # initial draft ... fixed point, each len(fixed_point) long
+        pa.field("fixed_point", TOKENS),  # the greedy continuation of `context`; n tokens except maybe the last block
+        pa.field("first_mismatch", pa.list_(pa.int32())),  # per state: first index != fixed point (len when equal)
+        pa.field("last_block", pa.bool_()),  # the prompt's final block (ended at EOS or max_new_tokens)
+        pa.field("model_fingerprint", pa.string()),
+        pa.field("tokenizer_fingerprint", pa.string()),
+    ]
+)
+
+
+def first_mismatch(state: Sequence[int], fixed_point: Sequence[int]) -> int:
+    """The first index where `state` differs from `fixed_point` (their length when equal)."""
+    return next((i for i, (s, f) in enumerate(zip(state, fixed_point)) if s != f), len(fixed_point))
+
+
+def trajectory_rows(
+    prompt_id: str,
+    prompt: Sequence[int],
+    generated: Sequence[int],
+    blocks: Sequence[BlockTrajectory],
+    block_size: int,
+    model_fingerprint: str,
+    tokenizer_fingerprint: str,
+) -> list[dict]:
+    """Rows for one decoded prompt (the output of `decode(..., record_trajectories=True)`)."""
+    rows = []
+    for k, block in enumerate(blocks):
+        fixed = block.fixed_point
+        rows.append(
+            {
+                "prompt_id": prompt_id,
+                "block_index": k,
+                "block_size": block_size,
+                "prompt_length": len(prompt),
+                "context": [*prompt, *generated[: block.start]],
+                "states": block.states,
+                "fixed_point": fixed,
+                "first_mismatch": [first_mismatch(s, fixed) for s in block.states],
+                "last_block": k == len(blocks) - 1,
+                "model_fingerprint": model_fingerprint,
+                "tokenizer_fingerprint": tokenizer_fingerprint,
+            }
+        )
+    return rows
+
+
+def rows_to_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+
+
+@dataclass(frozen=True)
+class TrajectoryConfig:
+    """How trajectories are decoded (greedy Jacobi, one block in flight)."""
+
+    block_size: int = 16
+    max_new_tokens: int = 256
+    batch_size: int = 8  # prompts decoded together by one model replica
+    filler: Literal["context", "random"] = "context"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.block_size >= 2, f"block_size must be >= 2 to have a trajectory, got {self.block_size}")
+        check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(
+            method="jacobi",
+            block_size=self.block_size,
+            max_new_tokens=self.max_new_tokens,
+            filler=self.filler,
+            seed=self.seed,
+            record_trajectories=True,
+        )
+
+
+def decode_trajectories(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[str],
+    prompts: Sequence[Sequence[int]],
+    config: TrajectoryConfig,
+    model_fingerprint: str,
+    tokenizer_fingerprint: str,
+) -> pa.Table:
+    """Decode `prompts` in batches and return their trajectory rows as a table."""
+    rows: list[dict] = []
+    decode_config = config.decode_config()
+    for start in range(0, len(prompts), config.batch_size):
+        batch = [list(p) for p in prompts[start : start + config.batch_size]]
+        out = decode(model, batch, decode_config)
+        for pid, prompt, generated, blocks in zip(prompt_ids[start:], batch, out.sequences, out.trajectories):
+            rows += trajectory_rows(
+                pid, prompt, generated, blocks, config.block_size, model_fingerprint, tokenizer_fingerprint
+            )
+    return rows_to_table(rows)
