@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -90,36 +94,43 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     assert sorted(map(str, rows_of(folder))) == sorted(map(str, rows))
 
 
-def test_runs_as_a_prefect_task(tiny_checkpoint, prompt_file, tmp_path):
+def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path):
     from prefect import flow
 
+    from tasks.packing import pack_trajectories_task
     from tasks.trajectories import generate_trajectories_task
 
     @flow
-    def only_trajectories() -> str:
-        return generate_trajectories_task(
+    def data_path() -> tuple[str, dict]:
+        folder = generate_trajectories_task(
             model={"name_or_path": str(tiny_checkpoint)},
             prompts={"path": str(prompt_file), "field": "prompt", "chat_template": False},
             trajectory={"block_size": 4, "max_new_tokens": 8},
             ray={"num_workers": 1},
-            out_dir=str(tmp_path),
+            out_dir=str(tmp_path / "trajectories"),
             prompts_per_shard=3,
         )
+        return folder, pack_trajectories_task(folder, str(tmp_path / "packed"), {"window": 4})
 
-    folder = Path(only_trajectories())
-    assert json.loads((folder / "manifest.json").read_text())["complete"]
-    assert len(rows_of(folder)) > NUM_PROMPTS
+    folder, stats = data_path()
+    assert json.loads((Path(folder) / "manifest.json").read_text())["complete"]
+    assert stats["sequences"] == NUM_PROMPTS and stats["blocks"] == len(rows_of(Path(folder)))
+    assert (tmp_path / "packed" / "stats.json").is_file()
 
 
-def test_a_killed_worker_loses_nothing(tiny_checkpoint, prompt_file, tmp_path):
-    """SIGKILL one worker after the first shard lands: Ray restarts it, its shards are redone,
-    and the rows equal an undisturbed run's, with no duplicates."""
-    import os
-    import re
-    import signal
-    import threading
+def test_packing_refuses_an_unfinished_run(tiny_checkpoint, prompt_file, tmp_path):
+    from jfcore.packing import PackingConfig, PackingError
+    from tasks.packing import pack_trajectories
 
-    undisturbed = rows_of(run(tiny_checkpoint, prompt_file, tmp_path / "calm", prompts_per_shard=1))
+    folder = run(tiny_checkpoint, prompt_file, tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(PackingError, match="unfinished trajectory run"):
+        pack_trajectories(folder, tmp_path / "packed", PackingConfig())
+
+
+def kill_one_worker_midway(generate) -> Path:
+    """Run `generate(log)` in a thread and SIGKILL one Ray worker as soon as the first shard lands."""
     lines: list[str] = []
     first_shard = threading.Event()
 
@@ -129,15 +140,49 @@ def test_a_killed_worker_loses_nothing(tiny_checkpoint, prompt_file, tmp_path):
             first_shard.set()
 
     result: dict = {}
-    worker = threading.Thread(
-        target=lambda: result.update(folder=run(tiny_checkpoint, prompt_file, tmp_path / "killed", log, 1))
-    )
-    worker.start()
-    assert first_shard.wait(timeout=120)
-    pids = [int(p) for p in re.findall(r"\d+", next(x for x in lines if "workers ready" in x).split("pids")[1])]
+    thread = threading.Thread(target=lambda: result.update(folder=generate(log)))
+    thread.start()
+    assert first_shard.wait(timeout=600)
+    ready = next(line for line in lines if "workers ready" in line)
+    pids = [int(p) for p in re.findall(r"\d+", ready.split("pids")[1])]
     os.kill(pids[1], signal.SIGKILL)
-    worker.join(timeout=300)
-    rows = rows_of(result["folder"])
+    thread.join(timeout=900)
+    return result["folder"]
+
+
+def assert_same_rows_no_duplicates(folder: Path, expected: list[dict]) -> None:
+    rows = rows_of(folder)
     keys = [(r["prompt_id"], r["block_index"]) for r in rows]
     assert len(keys) == len(set(keys))
-    assert sorted(map(str, rows)) == sorted(map(str, undisturbed))
+    assert sorted(map(str, rows)) == sorted(map(str, expected))
+
+
+def test_a_killed_worker_loses_nothing(tiny_checkpoint, prompt_file, tmp_path):
+    """Ray restarts the killed worker, its shards are redone, and the rows equal an undisturbed run's."""
+    undisturbed = rows_of(run(tiny_checkpoint, prompt_file, tmp_path / "calm", prompts_per_shard=1))
+    folder = kill_one_worker_midway(lambda log: run(tiny_checkpoint, prompt_file, tmp_path / "killed", log, 1))
+    assert_same_rows_no_duplicates(folder, undisturbed)
+
+
+@pytest.mark.slow
+def test_smollm2_on_two_workers_survives_a_kill(tmp_path):
+    """The real model on 32 of the project's prompts, 2 Ray workers, one killed mid-run."""
+
+    def generate(out_dir, log=print):
+        return generate_trajectories(
+            ModelConfig(),
+            PromptSource(limit=32),
+            TrajectoryConfig(block_size=8, max_new_tokens=16, batch_size=4),
+            RayConfig(num_workers=2),
+            out_dir,
+            prompts_per_shard=4,
+            log=log,
+        )
+
+    undisturbed = rows_of(generate(tmp_path / "calm"))
+    assert len({r["prompt_id"] for r in undisturbed}) == 32
+    folder = kill_one_worker_midway(lambda log: generate(tmp_path / "killed", log))
+    assert_same_rows_no_duplicates(folder, undisturbed)
+    lines: list[str] = []
+    generate(tmp_path / "killed", lines.append)  # a rerun finds everything done
+    assert any("8/8 shards already complete, 0 to generate" in line for line in lines)
