@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_models import save_tiny_checkpoint
 
 from jfcore import cli
 from jfcore.decoding.reference import first_divergence
@@ -23,17 +22,7 @@ PROJECT_METHODS = ("ar", "jacobi_n4", "jacobi_n8", "multiblock_n4")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """A random 2-layer Llama with a word-level tokenizer (words w0..w124)."""
-    path = tmp_path_factory.mktemp("tiny")
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(125)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ committed text, and recorded trajectories obey DESIGN.md's trajectory rules."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from tiny_models import greedy_reference, position_model, tiny_model
@@ -77,7 +79,7 @@ def test_cache_compaction_keeps_attention_exact():
     prompts = [[1, 2, 3, 4], [9]]
 
     def run(compact: bool) -> torch.Tensor:
-        batch = SlotBatch(m, prompts, pad_token_id=0, compact=compact)
+        batch = SlotBatch(m, len(prompts), compact=compact)
         tokens = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 9]])
         valid = tokens != 0
         with torch.no_grad():
@@ -156,8 +158,25 @@ def test_pseudo_active_block_spawns_from_the_model_guess():
                           spawn_ratio=0.75)
     decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
     decoder.vocab_size = 96
-    row = _Row(0, [1, 2, 3], out=[], blocks=[[10, 11, 12, 13]], sizes=[4])
+    row = _Row(0, [1, 2, 3], out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
     # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
     decoder._verify(row, [11, 12, 30, 77], cands=[])
     assert row.out == [10, 11, 12]
     assert row.blocks[0] == [30] and row.blocks[1][0] == 77 and len(row.blocks[1]) == 4
+
+
+def test_empty_prompts_are_refused():
+    m = tiny_model("llama")
+    for prompts in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="every prompt at least one token"):
+            decode(m, prompts, DecodeConfig(), eos_token_id=[])
+
+
+def test_trajectories_do_not_depend_on_the_batch():
+    """Drafts are seeded per prompt, so batching changes no recorded state (trajectories are training data)."""
+    m = tiny_model("gpt2")
+    config = DecodeConfig(block_size=6, max_new_tokens=30, record_trajectories=True, seed=3)
+    batched = decode(m, PROMPTS, config, eos_token_id=[]).trajectories
+    alone = [decode(m, [p], config, eos_token_id=[]).trajectories[0] for p in PROMPTS]
+    assert batched == alone
+    assert any(len(b.states) > 1 for blocks in alone for b in blocks)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_models import save_tiny_checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jfcore import models as jm
 from jfcore.config import ConfigError, from_dict
@@ -27,17 +27,7 @@ SHARED_DATA = Path(os.environ.get("JF_SHARED_DATA", Path(__file__).resolve().par
 
 
 def save_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A random 2-layer Llama and a word-level tokenizer without a pad token."""
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(path, vocab_size=64, seed=seed)
 
 
 @pytest.fixture

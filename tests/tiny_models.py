@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -10,6 +13,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -69,3 +73,19 @@ def position_model(seed: int = 0) -> torch.nn.Module:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model.eval()
+
+
+def save_tiny_checkpoint(path: Path, vocab_size: int = 128, seed: int = 0, initializer_range: float = 0.02) -> Path:
+    """A random 2-layer Llama and a word-level tokenizer (words w0, w1, ...; no pad token),
+    saved like any checkpoint, for tests that load models by path."""
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                         initializer_range=initializer_range)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -53,6 +53,7 @@ class _Row:
     recycled: int = 0  # tokens committed through recycled n-grams beyond the draft's own run
     finished: bool = False
     pool: NgramPool | None = None
+    rng: random.Random | None = None  # filler draws, seeded per prompt
     states: list[list[int]] = field(default_factory=list)  # block 0's states, when recording
     trajectories: list[BlockTrajectory] = field(default_factory=list)
 
@@ -77,21 +78,24 @@ class JacobiDecoder:
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
         self.on_step = on_step
-        self.rng = random.Random(config.seed)
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]]) -> DecodeOutput:
-        rows = [_Row(i, list(p)) for i, p in enumerate(prompts)]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("decode needs at least one prompt, and every prompt at least one token")
+        # One filler generator per row, seeded by the seed and the prompt: a prompt's drafts (and so
+        # its recorded trajectory) do not depend on which prompts share its batch.
+        rows = [_Row(i, list(p), rng=random.Random(f"{self.config.seed}:{p}")) for i, p in enumerate(prompts)]
         if self.config.recycling:
             for row in rows:
                 row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
         stats = DecodeStats()
 
         start = time.perf_counter()
-        batch = SlotBatch(self.model, [r.prompt for r in rows], self.pad)
+        batch = SlotBatch(self.model, len(rows))
         tokens, valid, positions = _left_pad([r.prompt for r in rows], self.pad)
         logits = batch.forward(tokens, valid, positions, **self.prefill_kwargs)
         batch.keep(valid)
@@ -255,9 +259,9 @@ class JacobiDecoder:
         if size <= 0:
             return
         if self.config.filler == "random":
-            filler = [self.rng.randrange(self.vocab_size) for _ in range(size - 1)]
+            filler = [row.rng.randrange(self.vocab_size) for _ in range(size - 1)]
         else:
-            filler = self.rng.choices(row.prompt + row.out, k=size - 1)
+            filler = row.rng.choices(row.prompt + row.out, k=size - 1)
         row.blocks.append([first, *filler])
         row.sizes.append(size)
 

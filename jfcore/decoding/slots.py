@@ -25,15 +25,12 @@ from transformers.cache_utils import DynamicLayer
 
 
 class SlotBatch:
-    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, compact: bool = True):
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+    def __init__(self, model: torch.nn.Module, batch_size: int, compact: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
-        self.pad_token_id = pad_token_id
         self.compact = compact
         self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool)  # on the host
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # on the host
         self.forward_seconds = 0.0
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
