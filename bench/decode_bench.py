@@ -26,6 +26,7 @@ import transformers
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.decoding import DecodeConfig, decode, special_tokens
 from jfcore.decoding.reference import first_divergence, hf_generate
+from jfcore.decoding.slots import device_sync
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 
@@ -81,7 +82,7 @@ def project_method(model, eos: list[int], pad: int, **config) -> Method:
 def hf_method(model, eos: list[int], pad: int, **generate_kwargs) -> Method:
     """HF `generate`, its forwards timed by hooks: the first model call is the prefill (for prompt lookup it
     also verifies the first draft); every later call is a decode forward."""
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync = device_sync(next(model.parameters()).device)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> Run:
         starts: list[float] = []
@@ -127,7 +128,7 @@ def run_bench(model, prompts: list[Prompt], settings: BenchSettings, eos: list[i
     """Decode `prompts` with every method, interleaved; per-batch records and per-method aggregates."""
     methods = build_methods(model, eos, pad, settings)
     names = list(methods)
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync = device_sync(next(model.parameters()).device)
     index = {id(p): i for i, p in enumerate(prompts)}
     by_source: dict[str, list[Prompt]] = {}
     for p in prompts:

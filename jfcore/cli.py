@@ -23,6 +23,7 @@ from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode, special_tokens
 from jfcore.decoding.reference import first_divergence, hf_generate
+from jfcore.decoding.slots import device_sync
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import eval_prompts
 
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = device_sync(args.device)
     encoded = [encode_chat(tokenizer, text) for _, text in prompts]
     what = "AR" if args.method == "ar" else f"{args.method} n={args.block_size}"
     print(f"decoding {len(prompts)} prompt(s) with {what}, up to {args.max_new_tokens} new tokens\n")

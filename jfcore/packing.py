@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from jfcore.atomic import atomic_write
 from jfcore.config import check, to_dict
 from jfcore.trajectories import TOKENS, first_mismatch
 
@@ -281,21 +281,11 @@ def _write(packed: list[dict], out_dir: Path, config: PackingConfig, stats: Pack
     for i, start in enumerate(range(0, len(packed), step)):
         path = out_dir / f"packed-{i:05d}.parquet"
         table = pa.Table.from_pylist(packed[start : start + step], schema=PACKED_SCHEMA)
-        _atomic(path, functools.partial(pq.write_table, table, compression="zstd"))
+        atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
         stats.shards.append(path.name)
     for stale in out_dir.glob("packed-*.parquet"):  # left by an earlier run with more shards
         if stale.name not in stats.shards:
             stale.unlink()
     # Written last: its presence marks a complete packed set.
     text = json.dumps(stats.as_dict() | {"config": to_dict(config)}, indent=2)
-    _atomic(out_dir / "stats.json", lambda tmp: tmp.write_text(text))
-
-
-def _atomic(path: Path, write) -> None:
-    """Write through a temp file and rename, so a crash never leaves a half-written file under `path`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(out_dir / "stats.json", lambda tmp: tmp.write_text(text))

@@ -11,15 +11,16 @@ the shards in flight, and no row is ever written twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from jfcore.atomic import atomic_write
 
 MANIFEST = "manifest.json"
 
@@ -66,18 +67,10 @@ def file_sha256(path: Path) -> str:
 
 
 def write_shard(table: pa.Table, folder: Path, spec: ShardSpec, prompts: int) -> ShardRecord:
-    """Write `table` as the shard `spec` atomically (temp file + rename); return its record."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{spec.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        record = ShardRecord(spec.name, table.num_rows, prompts, file_sha256(Path(tmp)))
-        os.replace(tmp, folder / spec.name)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return record
+    """Write `table` as the shard `spec` atomically; return its record."""
+    path = folder / spec.name
+    atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
+    return ShardRecord(spec.name, table.num_rows, prompts, file_sha256(path))
 
 
 def read_manifest(folder: Path) -> dict:
@@ -89,11 +82,8 @@ def read_manifest(folder: Path) -> dict:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Replace the manifest atomically: readers see the old or the new one, never half of it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, folder / MANIFEST)
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text))
 
 
 def completed_shards(folder: Path, specs: list[ShardSpec]) -> dict[str, ShardRecord]:

@@ -34,7 +34,7 @@ import torch
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
-from jfcore.decoding.slots import SlotBatch
+from jfcore.decoding.slots import SlotBatch, left_pad
 
 Candidates = list[tuple[int, tuple[int, ...]]]  # (first slot, continuation tokens)
 
@@ -96,7 +96,7 @@ class JacobiDecoder:
 
         start = time.perf_counter()
         batch = SlotBatch(self.model, len(rows))
-        tokens, valid, positions = _left_pad([r.prompt for r in rows], self.pad)
+        tokens, valid, positions = left_pad([r.prompt for r in rows], self.pad)
         logits = batch.forward(tokens, valid, positions, **self.prefill_kwargs)
         batch.keep(valid)
         self.vocab_size = logits.shape[-1]
@@ -290,14 +290,3 @@ def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:
         span = slice(start, start + len(gram))
         tree[span, 0] = True
         tree[span, span] = torch.ones(len(gram), len(gram), dtype=torch.bool).tril()
-
-
-def _left_pad(prompts: list[list[int]], pad: int):
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
-    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        tokens[b, width - len(p) :] = torch.tensor(p)
-        valid[b, width - len(p) :] = True
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    return tokens, valid, positions

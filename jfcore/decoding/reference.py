@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from jfcore.decoding.slots import left_pad
+
 
 def hf_generate(
     model: torch.nn.Module,
@@ -25,16 +27,12 @@ def hf_generate(
     Extra keyword arguments go to `generate` (e.g. `prompt_lookup_num_tokens=10`).
     """
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(list(p))
-        mask[b, width - len(p) :] = 1
+    ids, mask, _ = left_pad(prompts, pad_token_id)
+    width = ids.shape[1]
     with torch.inference_mode():
         out = model.generate(
             ids.to(device),
-            attention_mask=mask.to(device),
+            attention_mask=mask.long().to(device),
             do_sample=False,
             num_beams=1,
             max_new_tokens=max_new_tokens,

@@ -18,6 +18,7 @@ verification) and explicit `position_ids`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -32,7 +33,7 @@ class SlotBatch:
         self.cache = DynamicCache(config=model.config)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # on the host
         self.forward_seconds = 0.0
-        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self._sync = device_sync(self.device)
 
     @property
     def num_slots(self) -> int:
@@ -122,3 +123,21 @@ class SlotBatch:
             layer.keys = torch.gather(layer.keys, 2, index)
             layer.values = torch.gather(layer.values, 2, index)
         self.valid = new_valid
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host tensors for a batch of prompts of any lengths: left-padded token ids, a mask of the
+    real tokens, and their position ids (each prompt counts from 0)."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, width - len(p) :] = torch.tensor(list(p))
+        valid[b, width - len(p) :] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return tokens, valid, positions
+
+
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """What waits for queued GPU work (for honest timings); nothing on CPU."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
