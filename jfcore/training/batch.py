@@ -1,0 +1,113 @@
+"""Packed training sequences as tensors: streams, AR targets and consistency pairs.
+
+A packed row (jfcore.packing.PACKED_SCHEMA) is [prompt][k_0][l_0]...[k_{T-1}][l_{T-1}].
+Every token gets a stream: PROMPT, NOISY (k_j), CLEAN (l_j) or PAD (block padding
+past `valid_lengths`, and the right padding that makes a batch rectangular).
+The mask (jfcore.training.mask) needs only the streams; the losses need index
+pairs into the flattened [B * L] logits, computed here once on the host.
+
+Which logits count (a logit at a position predicts the next token of its stream):
+- AR: every clean-stream pair (prompt pairs, in-block pairs, and the bridge from
+  l_j's last token to l_{j+1}'s first) whose target is not past the response's
+  first EOS. EOS inside the prompt (chat templates end turns with it) is ordinary.
+- Consistency: for block j with first mismatch d_j, offsets t in [d_j, m_j)
+  (m_j its valid length) whose prediction is not past the first EOS either,
+  pairing the noisy logit at k_j+t (student) with the clean one at l_j+t (teacher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PAD, PROMPT, NOISY, CLEAN = -1, 0, 1, 2
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [B, L] long
+    streams: torch.Tensor  # [B, L] int8: PAD / PROMPT / NOISY / CLEAN
+    ar_positions: torch.Tensor  # [A] flat indices into B*L whose logits are scored ...
+    ar_targets: torch.Tensor  # [A] ... against these tokens
+    student_positions: torch.Tensor  # [C] flat indices of noisy logits ...
+    teacher_positions: torch.Tensor  # [C] ... and of the clean logits they learn from
+    pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
+    tokens: int  # real (non-PAD) tokens: what tokens/s counts
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        return PackedBatch(**moved)
+
+
+@dataclass
+class _Row:
+    streams: list[int]
+    ar: list[tuple[int, int]]  # (position, target token)
+    pairs: list[tuple[int, int]]  # (student position, teacher position)
+
+
+def _layout(row: dict, eos_token_id: int | None) -> _Row:
+    """Streams and scored positions of one packed row (positions within the row)."""
+    ids, P, n, T = row["input_ids"], row["prompt_length"], row["block_size"], row["num_blocks"]
+    mismatch, valid = row["first_mismatch"], row["valid_lengths"]
+    if len(ids) != P + 2 * T * n or len(mismatch) != T or len(valid) != T:
+        raise ValueError(
+            f"packed row {row.get('prompt_id')!r}: length {len(ids)} with P={P}, n={n}, T={T} "
+            f"({len(mismatch)} mismatches, {len(valid)} valid lengths); the shard is not a packed shard, repack it"
+        )
+    streams = [PROMPT] * P
+    clean_positions = list(range(P))  # the clean stream, in order: prompt then each l_j's valid tokens
+    response_start = P
+    for j in range(T):
+        m = valid[j]
+        block = [NOISY] * m + [PAD] * (n - m)
+        streams += block + [CLEAN if s == NOISY else PAD for s in block]
+        clean_positions += range(P + (2 * j + 1) * n, P + (2 * j + 1) * n + m)
+    # Response index of the first EOS: targets beyond it are ignored.
+    response = [ids[p] for p in clean_positions[response_start:]]
+    eos_at = response.index(eos_token_id) if eos_token_id is not None and eos_token_id in response else len(response)
+    last_target = response_start + eos_at  # index into clean_positions of the last scored target
+    ar = [(clean_positions[i], ids[clean_positions[i + 1]]) for i in range(min(len(clean_positions) - 1, last_target))]
+    pairs, seen = [], P  # `seen`: response tokens before block j
+    for j in range(T):
+        noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
+        for t in range(mismatch[j], valid[j]):
+            if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
+                pairs.append((noisy + t, clean + t))
+        seen += valid[j]
+    return _Row(streams, ar, pairs)
+
+
+def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None) -> PackedBatch:
+    """Right-pad packed rows into one batch with its loss indices."""
+    layouts = [_layout(r, eos_token_id) for r in rows]
+    B, L = len(rows), max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((B, L), dtype=torch.long)
+    streams = torch.full((B, L), PAD, dtype=torch.int8)
+    ar_pos, ar_tgt, student, teacher, weights = [], [], [], [], []
+    for b, (row, lay) in enumerate(zip(rows, layouts)):
+        width = len(row["input_ids"])
+        input_ids[b, :width] = torch.tensor(row["input_ids"])
+        position_ids[b, :width] = torch.tensor(row["position_ids"])
+        streams[b, :width] = torch.tensor(lay.streams, dtype=torch.int8)
+        ar_pos += [b * L + p for p, _ in lay.ar]
+        ar_tgt += [t for _, t in lay.ar]
+        student += [b * L + s for s, _ in lay.pairs]
+        teacher += [b * L + c for _, c in lay.pairs]
+        if lay.pairs:
+            weights += [1.0 / (len(lay.pairs) * row["num_blocks"] * B)] * len(lay.pairs)
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        streams=streams,
+        ar_positions=torch.tensor(ar_pos, dtype=torch.long),
+        ar_targets=torch.tensor(ar_tgt, dtype=torch.long),
+        student_positions=torch.tensor(student, dtype=torch.long),
+        teacher_positions=torch.tensor(teacher, dtype=torch.long),
+        pair_weights=torch.tensor(weights, dtype=torch.float32),
+        tokens=int((streams != PAD).sum()),
+    )

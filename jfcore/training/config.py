@@ -1,0 +1,53 @@
+"""The training recipe: one typed config, checked when loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from jfcore.config import check
+from jfcore.models import ModelConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str  # a packing output folder (packed-*.parquet + stats.json)
+    output_dir: str  # checkpoints/, metrics.jsonl and the exported final/ model
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model to distill (a previous stage's final/ works)
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; stops early when set (otherwise epochs decide)
+    micro_batch_size: int = 1  # packed sequences per process per forward
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.03  # of all optimizer steps, then cosine decay to 0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    ar_weight: float = 10.0  # lambda in L = L_pc + lambda * L_AR
+    temperature: float = 1.0  # tau of the consistency loss
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 50  # optimizer steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 2  # older checkpoints are deleted
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(bool(self.data), "TrainConfig.data: name the packing output folder")
+        check(bool(self.output_dir), "TrainConfig.output_dir: must not be empty")
+        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "checkpoint_every",
+                     "keep_checkpoints"):  # fmt: skip
+            check(getattr(self, name) >= 1, f"TrainConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        check(self.max_steps is None or self.max_steps >= 1, f"TrainConfig.max_steps: must be >= 1, got {self.max_steps}")
+        check(self.learning_rate > 0, f"TrainConfig.learning_rate: must be > 0, got {self.learning_rate}")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"TrainConfig.betas: {self.betas} are not two values in [0, 1)")
+        check(0 <= self.warmup_ratio < 1, f"TrainConfig.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        check(self.max_grad_norm >= 0, f"TrainConfig.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
+        check(self.ar_weight >= 0, f"TrainConfig.ar_weight: must be >= 0, got {self.ar_weight}")
+        check(self.temperature > 0, f"TrainConfig.temperature: must be > 0, got {self.temperature}")
+        check(
+            self.model.dtype == "float32",
+            f"TrainConfig.model.dtype: training keeps float32 master weights, got {self.model.dtype!r}; "
+            "set the compute precision with TrainConfig.precision instead",
+        )

@@ -1,0 +1,223 @@
+"""The distillation loop on a DeepSpeed engine: one process per GPU, or CPU processes over gloo.
+
+Run it under a launcher (torchrun or deepspeed) that sets RANK, WORLD_SIZE and
+LOCAL_RANK, or as a single process without one. It trains, checkpoints every
+`checkpoint_every` optimizer steps (model, optimizer, scheduler, data position,
+RNG), resumes from the newest complete checkpoint, and exports the final model
+as a plain HF checkpoint with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import get_cosine_schedule_with_warmup
+
+from jfcore.atomic import atomic_write
+from jfcore.config import ConfigError, replace, to_dict
+from jfcore.models import load_model, tokenizer_fingerprint
+from jfcore.training.batch import collate
+from jfcore.training.config import TrainConfig
+from jfcore.training.data import DataOrder, PackedData, TrainingDataError
+from jfcore.training.losses import jacobi_forcing_loss
+from jfcore.training.mask import attention_mask
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+FINAL = "final"
+DEEPSPEED_CONFIG = "deepspeed_config.json"
+FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopped
+COMPLETE = "jf_complete.json"  # written into a checkpoint folder once every rank has saved it
+# Keys the training config owns; a DeepSpeed file may not set them to something else.
+OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+              "gradient_clipping", "optimizer", "scheduler", "bf16", "fp16")  # fmt: skip
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint exists but cannot continue this run."""
+
+
+@dataclass
+class TrainResult:
+    final_dir: Path
+    steps: int
+    resumed_from: int  # 0 for a fresh run
+    last_metrics: dict
+
+
+def deepspeed_config(base: dict, config: TrainConfig, world_size: int, bf16: bool) -> dict:
+    """The DeepSpeed config file's ZeRO/offload settings plus what the training config decides."""
+    clashes = [k for k in OWNED_KEYS if k in base]
+    if clashes:
+        raise ConfigError(
+            f"DeepSpeed config sets {', '.join(clashes)}: the training config decides these "
+            "(micro_batch_size, gradient_accumulation_steps, max_grad_norm, precision, learning_rate); remove them"
+        )
+    return {
+        **base,
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "train_batch_size": config.micro_batch_size * config.gradient_accumulation_steps * world_size,
+        "gradient_clipping": config.max_grad_norm,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+
+
+def complete_checkpoints(folder: Path) -> list[str]:
+    """Tags of checkpoints every rank finished saving, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.parent.name for p in folder.glob(f"*/{COMPLETE}"))
+
+
+def train(config: TrainConfig, deepspeed_base: dict, on_metrics: Callable[[int, dict], None] | None = None) -> TrainResult:
+    import deepspeed  # here, so the rest of jfcore works without it
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bf16 = config.precision == "bfloat16" or (config.precision == "auto" and cuda)
+    attn = {"auto": "flex_attention" if cuda else "sdpa", "flex": "flex_attention"}.get(config.attention, config.attention)
+    torch.manual_seed(config.seed)
+
+    model, tokenizer = load_model(replace(config.model, device=str(device), attn_implementation=attn))
+    data = PackedData(config.data, tokenizer_fingerprint(tokenizer))
+    order = DataOrder(len(data), config.micro_batch_size, world, config.gradient_accumulation_steps, config.seed)
+    if order.steps_per_epoch == 0:
+        raise TrainingDataError(
+            f"{config.data} holds {len(data)} packed sequences, fewer than one global batch of {order.global_batch} "
+            f"(micro_batch_size x processes x gradient_accumulation_steps); lower those or pack more prompts"
+        )
+    total = config.max_steps or config.epochs * order.steps_per_epoch
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.betas,
+                                  weight_decay=config.weight_decay)  # fmt: skip
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(config.warmup_ratio * total), total)
+    ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+
+    out = Path(config.output_dir)
+    checkpoints = out / CHECKPOINTS
+    schedule = {"world_size": world, "data": data.fingerprint, "total_steps": total,
+                "micro_batch_size": config.micro_batch_size, "seed": config.seed,
+                "gradient_accumulation_steps": config.gradient_accumulation_steps}  # fmt: skip
+    start = _resume(engine, checkpoints, schedule) if config.resume else 0
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / DEEPSPEED_CONFIG, lambda tmp: tmp.write_text(json.dumps(ds_config, indent=2)))
+        _truncate_metrics(out / METRICS, start)
+
+    metrics: dict = {}
+    for step in range(start, total):
+        began = time.perf_counter()
+        sums = torch.zeros(4, dtype=torch.float64)  # total, ar, consistency, tokens
+        for micro in range(config.gradient_accumulation_steps):
+            rows = [data.rows[i] for i in order.rows(step, micro, rank)]
+            batch = collate(rows, tokenizer.pad_token_id, tokenizer.eos_token_id).to(device)
+            mask = attention_mask(batch.streams, attn, torch.bfloat16 if bf16 else torch.float32)
+            logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
+                            use_cache=False).logits  # fmt: skip
+            losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature)
+            engine.backward(losses.total)
+            lr = scheduler.get_last_lr()[0]  # the rate this step applies
+            engine.step()
+            sums += torch.tensor([losses.total.item(), losses.ar.item(), losses.consistency.item(), batch.tokens],
+                                 dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(sums)
+        parts = sums[:3] / (world * config.gradient_accumulation_steps)
+        grad_norm = engine.get_global_grad_norm()
+        metrics = {
+            "loss": parts[0].item(), "ar_loss": parts[1].item(), "consistency_loss": parts[2].item(),
+            "learning_rate": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens_per_second": sums[3].item() / (time.perf_counter() - began), "tokens": int(sums[3].item()),
+        }  # fmt: skip
+        if rank == 0:
+            with open(out / METRICS, "a") as f:
+                f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+            if on_metrics is not None:
+                on_metrics(step + 1, metrics)
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == total:
+            _save(engine, checkpoints, step + 1, schedule, config.keep_checkpoints)
+
+    final = out / FINAL
+    if not (final / "config.json").is_file():  # a rerun of a finished run leaves its export alone
+        _export(engine, tokenizer, final, {"training": to_dict(config), "steps": total, "block_size": data.block_size})
+    dist.barrier()
+    return TrainResult(final_dir=final, steps=total, resumed_from=start, last_metrics=metrics)
+
+
+def _resume(engine, folder: Path, schedule: dict) -> int:
+    tags = complete_checkpoints(folder)
+    if not tags:
+        return 0
+    path, client = engine.load_checkpoint(str(folder), tag=tags[-1])
+    if path is None:
+        raise ResumeError(f"{folder / tags[-1]} could not be loaded; delete it to resume from an older one")
+    changed = {k: (client["schedule"].get(k), v) for k, v in schedule.items() if client["schedule"].get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changed.items())
+        raise ResumeError(
+            f"{folder / tags[-1]} belongs to a run with other settings ({detail}); resuming would not continue "
+            "it. Use a fresh output_dir, or set resume: false to start over"
+        )
+    torch.set_rng_state(client["rng"])
+    return client["step"]
+
+
+def _save(engine, folder: Path, step: int, schedule: dict, keep: int) -> None:
+    tag = f"step-{step:07d}"
+    engine.save_checkpoint(str(folder), tag=tag, client_state={"step": step, "schedule": schedule,
+                                                              "rng": torch.get_rng_state()})  # fmt: skip
+    dist.barrier()
+    if dist.get_rank() == 0:
+        atomic_write(folder / tag / COMPLETE, lambda tmp: tmp.write_text(json.dumps({"step": step})))
+        for old in complete_checkpoints(folder)[:-keep]:
+            shutil.rmtree(folder / old, ignore_errors=True)
+    dist.barrier()
+
+
+def _truncate_metrics(path: Path, start: int) -> None:
+    """Keep the records up to the step training resumes from; later ones are about to be redone."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+    atomic_write(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+
+
+def _export(engine, tokenizer, final: Path, metadata: dict) -> None:
+    """Consolidated weights (gathered across ZeRO-3 shards) saved as a plain HF checkpoint plus tokenizer."""
+    import deepspeed
+
+    model = engine.module
+    params = list(model.parameters())
+    gather = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=gather):
+        if dist.get_rank() == 0:
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            model.config.use_cache = True
+            staging = final.with_name(final.name + ".tmp")
+            shutil.rmtree(staging, ignore_errors=True)
+            model.save_pretrained(staging, state_dict=state)
+            tokenizer.save_pretrained(staging)
+            (staging / "jacobi_forcing.json").write_text(json.dumps(metadata, indent=2, default=str))
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+    dist.barrier()

@@ -1,0 +1,50 @@
+"""Training losses (DESIGN.md section 2): L = L_pc + lambda * L_AR.
+
+Reductions, made explicit because they change the effective weights:
+- L_AR: mean cross-entropy over every scored clean-stream target in the batch.
+- L_pc: per row, the mean over its kept (student, teacher) pairs of the soft
+  cross-entropy tau^2 * H(softmax(teacher / tau), softmax(student / tau)),
+  divided once more by the row's number of blocks T; then the mean over rows.
+  A row with no kept pair (every noisy block equal to its clean block) adds 0.
+  `collate` folds all of this into per-pair weights.
+The teacher is the same forward's clean stream, detached: no gradient reaches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from jfcore.training.batch import PackedBatch
+
+
+@dataclass
+class Losses:
+    total: torch.Tensor
+    ar: torch.Tensor
+    consistency: torch.Tensor
+
+
+def ar_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    if batch.ar_positions.numel() == 0:
+        return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
+    return F.cross_entropy(flat[batch.ar_positions].float(), batch.ar_targets)
+
+
+def consistency_loss(logits: torch.Tensor, batch: PackedBatch, temperature: float) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    if batch.student_positions.numel() == 0:
+        return flat.sum() * 0.0
+    student = F.log_softmax(flat[batch.student_positions].float() / temperature, dim=-1)
+    teacher = F.softmax(flat[batch.teacher_positions].detach().float() / temperature, dim=-1)
+    per_pair = -(teacher * student).sum(-1) * temperature**2
+    return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
+
+
+def jacobi_forcing_loss(logits: torch.Tensor, batch: PackedBatch, ar_weight: float, temperature: float) -> Losses:
+    ar = ar_loss(logits, batch)
+    pc = consistency_loss(logits, batch, temperature)
+    return Losses(total=pc + ar_weight * ar, ar=ar.detach(), consistency=pc.detach())

@@ -1,0 +1,120 @@
+"""MLflow bookkeeping shared by the stages: runs that survive a resume, flat params, models by path."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from importlib.metadata import version
+
+from jfcore.atomic import atomic_write
+from jfcore.config import check
+
+RUN_FILE = "mlflow_run.json"  # in a stage's output folder: the run a resumed stage keeps logging to
+PARAM_LIMIT = 6000  # MLflow's longest param value
+# What loading a logged model needs besides the jfcore code stored with it.
+SERVING_PARAMS = {"method": "multiblock", "block_size": 16, "max_new_tokens": 256}  # defaults of predict()
+REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "numpy", "pyyaml", "gguf", "pyarrow")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    uri: str | None = None  # http://127.0.0.1:5000, sqlite:///mlflow.db or a folder; None: no tracking
+    experiment: str = "jacobi-forcing"
+    run_name: str | None = None
+    registered_model: str | None = "jacobi-forcing"  # the registry name of trained models; None: log only
+    parent_run_id: str | None = None  # nest this stage's run under a flow's run
+
+    def __post_init__(self) -> None:
+        check(self.uri is None or bool(self.uri), "TrackingConfig.uri: empty; leave it out to disable tracking")
+        check(bool(self.experiment), "TrackingConfig.experiment: must not be empty")
+
+
+def client(config: TrackingConfig):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=config.uri)
+
+
+def flat_params(data: dict, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"}, with values cut to what MLflow stores."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flat_params(value, name + "."))
+        else:
+            flat[name] = (value if isinstance(value, str) else json.dumps(value))[:PARAM_LIMIT]
+    return flat
+
+
+def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | None = None) -> str:
+    """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with params."""
+    from mlflow.entities import Param, RunTag
+
+    mlflow = client(config)
+    record = folder / RUN_FILE
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        if saved["uri"] == config.uri:
+            mlflow.update_run(saved["run_id"], status="RUNNING")
+            return saved["run_id"]
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.experiment)
+    all_tags = dict(tags or {})
+    if config.parent_run_id:
+        all_tags["mlflow.parentRunId"] = config.parent_run_id
+    run = mlflow.create_run(experiment_id, run_name=config.run_name, tags=all_tags)
+    run_id = run.info.run_id
+    items = [Param(k, v) for k, v in flat_params(params).items()]
+    for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        mlflow.log_batch(run_id, params=items[start : start + 100])
+    mlflow.set_tag(run_id, "mlflow.note.content", f"output folder: {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(record, lambda tmp: tmp.write_text(json.dumps({"uri": config.uri, "run_id": run_id})))
+    return run_id
+
+
+def metric_logger(config: TrackingConfig, run_id: str):
+    """A callback (step, {name: value}) that logs one step's metrics in one request."""
+    import math
+    import time
+
+    from mlflow.entities import Metric
+
+    mlflow = client(config)
+
+    def log(step: int, metrics: dict) -> None:
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if not math.isnan(float(v))]
+        mlflow.log_batch(run_id, metrics=batch)
+
+    return log
+
+
+def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path) -> dict:
+    """Log an HF checkpoint folder as a Jacobi-decoding pyfunc without loading it (no input example),
+    and register it when configured. (MLflow's transformers flavor cannot log transformers 5
+    checkpoints by path.)"""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    import jfcore
+
+    here = Path(__file__).resolve().parent
+    requirements = [f"{name}=={version(name)}" for name in REQUIREMENTS]
+    mlflow.set_tracking_uri(config.uri)
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(here / "mlflow_model.py"),
+            artifacts={"checkpoint": str(checkpoint)},
+            code_paths=[str(Path(jfcore.__file__).parent)],
+            pip_requirements=requirements,
+            # Declared, not inferred by running the model: text in, text out, decoding settings as params.
+            signature=infer_signature(["prompt"], ["completion"], params=dict(SERVING_PARAMS)),
+            registered_model_name=config.registered_model,
+        )
+    return {"model_uri": info.model_uri, "registered_model": config.registered_model,
+            "version": info.registered_model_version}  # fmt: skip

@@ -1,0 +1,36 @@
+"""One training process; `tasks.training` launches one per GPU (or CPU slot) with torchrun.
+
+Usage: python -m torch.distributed.run --nproc_per_node N -m tasks.train_worker LAUNCH_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from jfcore.config import from_dict
+from jfcore.training.config import TrainConfig
+from jfcore.training.loop import FAILURE_PREFIX, train
+from tasks.tracking import TrackingConfig, metric_logger
+
+
+def main(argv: list[str]) -> None:
+    launch = json.loads(Path(argv[0]).read_text())
+    config = from_dict(TrainConfig, launch["train"], "train")
+    on_metrics = None
+    if launch.get("run_id") and os.environ.get("RANK", "0") == "0":
+        on_metrics = metric_logger(from_dict(TrackingConfig, launch["tracking"], "tracking"), launch["run_id"])
+    try:
+        result = train(config, launch["deepspeed"], on_metrics)
+    except Exception as err:  # leave the launcher the reason, which torchrun's summary drops
+        rank = os.environ.get("RANK", "0")
+        (Path(config.output_dir) / f"{FAILURE_PREFIX}rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        print(f"training finished: {result.steps} steps (resumed from {result.resumed_from}); model in {result.final_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,155 @@
+"""The training stage: a multi-process DeepSpeed job launched with torchrun, tracked in MLflow.
+
+`run_training` is a plain function; `train_task` is the same as a Prefect task.
+One process per visible GPU, or `processes` CPU processes over gloo. A failed or
+killed job leaves its checkpoints: running the stage again resumes from the
+newest complete one, logging into the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import get_run_logger, task
+
+from jfcore.atomic import atomic_write
+from jfcore.config import ConfigError, check, from_dict, to_dict
+from jfcore.models import load_tokenizer, tokenizer_fingerprint
+from jfcore.training.config import TrainConfig
+from jfcore.training.data import packing_stats
+from jfcore.training.loop import CHECKPOINTS, DEEPSPEED_CONFIG, FAILURE_PREFIX, METRICS, complete_checkpoints, deepspeed_config
+from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
+
+INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
+LAUNCH_FILE = "launch.json"
+
+
+class TrainingFailed(RuntimeError):
+    """The training processes exited with an error."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    processes: int | None = None  # default: one per visible GPU, else 2 CPU processes
+    deepspeed_config: str = "zero2"  # a name in infra/deepspeed/ (zero0..zero3, zero3_offload) or a JSON path
+    threads_per_process: int | None = None  # CPU torch threads per process; default: cores / processes
+    timeout_s: float | None = None  # kill the job after this long (it can be resumed)
+
+    def __post_init__(self) -> None:
+        check(self.processes is None or self.processes >= 1, f"LaunchConfig.processes: must be >= 1, got {self.processes}")
+        check(self.threads_per_process is None or self.threads_per_process >= 1,
+              f"LaunchConfig.threads_per_process: must be >= 1, got {self.threads_per_process}")  # fmt: skip
+
+
+def load_deepspeed_config(name_or_path: str) -> dict:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = INFRA_DEEPSPEED / f"{name_or_path}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in INFRA_DEEPSPEED.glob("*.json")))
+        raise ConfigError(f"DeepSpeed config {name_or_path!r} not found ({path}); use one of {known} or a JSON path")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+
+
+def run_training(train: TrainConfig, launch: LaunchConfig = LaunchConfig(), tracking: TrackingConfig = TrackingConfig(),
+                 log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
+    out = Path(train.output_dir)
+    deepspeed_base = load_deepspeed_config(launch.deepspeed_config)
+    deepspeed_config(deepspeed_base, train, 1, False)  # refuses clashing keys before anything starts
+    # Fail here, in seconds, rather than after the processes start: a missing model or foreign data.
+    packing_stats(train.data, tokenizer_fingerprint(load_tokenizer(train.model)))
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = None
+    if tracking.uri:
+        params = {"train": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
+        run_id = stage_run(tracking, out, params, tags={"jacobi_forcing.stage": "train"})
+    launch_file = out / LAUNCH_FILE
+    content = {"train": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}
+    atomic_write(launch_file, lambda tmp: tmp.write_text(json.dumps(content, indent=2)))
+    resumed = complete_checkpoints(out / CHECKPOINTS)
+    log(f"training into {out}" + (f", resuming from {resumed[-1]}" if resumed and train.resume else ""))
+    _launch(launch_file, launch, log)
+
+    result = {"final_dir": str(out / "final"), "mlflow_run_id": run_id, "metrics": _last_metrics(out / METRICS)}
+    if run_id:
+        mlflow = client(tracking)
+        for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE):
+            mlflow.log_artifact(run_id, str(out / name), artifact_path="training")
+        result["model"] = log_model_by_path(tracking, run_id, out / "final")
+        log(f"model logged to MLflow run {run_id}: {result['model']['model_uri']}"
+            + (f", registered as {tracking.registered_model} v{result['model']['version']}" if tracking.registered_model else ""))  # fmt: skip
+    return result
+
+
+def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None]) -> None:
+    gpus = torch.cuda.device_count()
+    processes = launch.processes or gpus or 2
+    env = dict(os.environ)
+    if not gpus:
+        env["DS_ACCELERATOR"] = "cpu"
+        threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // processes)
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "tasks.train_worker", str(launch_file)]  # fmt: skip
+    for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
+        stale.unlink()
+    log(f"launching {processes} training process(es): {' '.join(command[2:])}")
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(launch.timeout_s, kill) if launch.timeout_s else None
+    try:
+        if timer:
+            timer.start()
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            log(tail[-1])
+        code = proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+        kill()
+        proc.wait()
+    if code != 0:
+        reasons = sorted(launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"))
+        why = "\n".join(f"{p.stem.removeprefix(FAILURE_PREFIX)}: {p.read_text()}" for p in reasons)
+        raise TrainingFailed(
+            f"training processes exited with code {code}; "
+            + (f"they reported:\n{why}" if why else "the last lines were:\n" + "\n".join(tail))
+            + f"\nOnce fixed (or if a process was killed), run the stage again: it resumes from the newest "
+            f"checkpoint in {launch_file.parent / CHECKPOINTS}"
+        )
+
+
+def _last_metrics(path: Path) -> dict:
+    lines = [line for line in path.read_text().splitlines() if line] if path.is_file() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+@task(name="train", retries=1, retry_delay_seconds=5)  # a retry resumes from the newest checkpoint
+def train_task(train: dict, launch: dict | None = None, tracking: dict | None = None) -> dict:
+    """Prefect task over `run_training`; the configs are plain data, checked strictly."""
+    return run_training(from_dict(TrainConfig, train, "train"), from_dict(LaunchConfig, launch or {}, "launch"),
+                        from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip

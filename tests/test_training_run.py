@@ -1,0 +1,218 @@
+"""Real DeepSpeed training: 2 CPU processes over gloo, checkpoints, kill and resume, export, MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jfcore.config import ConfigError
+from jfcore.decoding import DecodeConfig, decode
+from jfcore.models import ModelConfig, ModelLoadError
+from jfcore.training.config import TrainConfig
+from jfcore.training.data import TrainingDataError
+from tasks.tracking import TrackingConfig, client
+from tasks.training import LaunchConfig, TrainingFailed, run_training
+from tests.servers import mlflow_server
+from tests.tiny_models import greedy_reference, save_tiny_checkpoint
+from tests.training_data import packed_data
+
+STEPS = 12  # 16 sequences, 2 processes x micro batch 2: 4 steps an epoch, 3 epochs
+CURVE = ("loss", "ar_loss", "consistency_loss", "grad_norm", "learning_rate")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("training")
+    checkpoint = save_tiny_checkpoint(root / "base", initializer_range=0.3)
+    with mlflow_server(root / "mlflow") as uri:
+        yield {"root": root, "checkpoint": checkpoint, "data": packed_data(checkpoint, root), "mlflow": uri}
+
+
+def config(setup, name: str, **changes) -> TrainConfig:
+    values = dict(data=str(setup["data"]), output_dir=str(setup["root"] / name),
+                  model=ModelConfig(name_or_path=str(setup["checkpoint"])), epochs=3, micro_batch_size=2,
+                  learning_rate=2e-3, warmup_ratio=0.1, checkpoint_every=4, keep_checkpoints=3)  # fmt: skip
+    return TrainConfig(**(values | changes))
+
+
+LAUNCH = LaunchConfig(processes=2, deepspeed_config="zero2", threads_per_process=1)
+
+
+def tracking(setup, run_name: str) -> TrackingConfig:
+    return TrackingConfig(uri=setup["mlflow"], experiment="training-tests", run_name=run_name,
+                          registered_model="jf-tiny")  # fmt: skip
+
+
+def curve(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    lines: list[str] = []
+    result = run_training(config(setup, "whole"), LAUNCH, tracking(setup, "whole"), log=lines.append)
+    return result | {"log": lines}
+
+
+def rank_processes(launch_file: Path) -> dict[int, int]:
+    """{rank: pid} of the training processes started for `launch_file`."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"tasks.train_worker" not in cmdline or str(launch_file).encode() not in cmdline:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            if b"LOCAL_RANK" in env:
+                ranks[int(env[b"RANK"])] = int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return ranks
+
+
+def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
+    records = curve(uninterrupted["final_dir"] + "/..")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    first, last = records[:4], records[-4:]  # first and last epoch: the same 16 sequences, reshuffled
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "loss") < 0.8 * mean(first, "loss")
+    assert mean(last, "ar_loss") < mean(first, "ar_loss")
+    assert all(r["tokens_per_second"] > 0 and r["grad_norm"] > 0 for r in records)
+    for r in records:  # the logged total is the logged parts put together with lambda = 10
+        assert r["loss"] == pytest.approx(r["consistency_loss"] + 10 * r["ar_loss"], rel=1e-5)
+
+    mlflow = client(tracking(setup, "whole"))
+    run = mlflow.get_run(uninterrupted["mlflow_run_id"])
+    assert run.data.params["train.ar_weight"] == "10.0" and run.data.params["deepspeed.zero_optimization.stage"] == "2"
+    assert run.data.params["launch.processes"] == "2"
+    for name in (*CURVE, "tokens_per_second"):
+        history = mlflow.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), name
+    losses = {m.step: m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")}
+    assert losses == pytest.approx({r["step"]: r["loss"] for r in records})
+    artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id, "training")}
+    assert {"training/deepspeed_config.json", "training/metrics.jsonl", "training/launch.json"} <= artifacts
+    version = mlflow.get_model_version("jf-tiny", uninterrupted["model"]["version"])
+    assert version.run_id == run.info.run_id
+
+
+def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uninterrupted):
+    import mlflow
+
+    from jfcore.models import ModelConfig as MC, load_model
+
+    mlflow.set_tracking_uri(setup["mlflow"])
+    served = mlflow.pyfunc.load_model(f"models:/jf-tiny/{uninterrupted['model']['version']}")
+    texts = ["w5 w9 w11 w4", "w30 w7"]
+    completions = served.predict(texts, params={"method": "jacobi", "block_size": 4, "max_new_tokens": 16})
+    model, tokenizer = load_model(MC(name_or_path=uninterrupted["final_dir"]))
+    for text, completion in zip(texts, completions):
+        ids = tokenizer(text)["input_ids"]
+        expected = greedy_reference(model, ids, 16, eos=tokenizer.eos_token_id)
+        assert completion == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_exported_model_loads_and_decodes_losslessly(setup, uninterrupted):
+    final = Path(uninterrupted["final_dir"])
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=torch.float32)
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it was trained
+    prompts = [[1, 5, 9, 11, 4], [1, 30, 7], [1, 99, 98, 97, 50, 51, 52]]
+    for method in ("jacobi", "multiblock"):
+        out = decode(model, prompts, DecodeConfig(method=method, block_size=4, max_new_tokens=24), eos_token_id=2)
+        for prompt, tokens in zip(prompts, out.sequences):
+            assert tokens == greedy_reference(model, prompt, 24, eos=2)
+    assert json.loads((final / "jacobi_forcing.json").read_text())["block_size"] == 4
+    assert (final / "tokenizer.json").is_file()
+
+
+def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
+    train = config(setup, "killed")
+    launch_file = Path(train.output_dir) / "launch.json"
+    marker = Path(train.output_dir) / "checkpoints" / "step-0000004" / "jf_complete.json"
+    killed: list[int] = []
+
+    def kill_rank_1_after_first_checkpoint() -> None:
+        deadline = time.time() + 600
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        pid = rank_processes(launch_file).get(1)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = threading.Thread(target=kill_rank_1_after_first_checkpoint)
+    killer.start()
+    with pytest.raises(TrainingFailed, match="resumes from the newest checkpoint"):
+        run_training(train, LAUNCH, tracking(setup, "killed"), log=lambda line: None)
+    killer.join()
+    assert killed, "the training finished before a rank could be killed"
+    run_id = json.loads((Path(train.output_dir) / "mlflow_run.json").read_text())["run_id"]
+
+    lines: list[str] = []
+    result = run_training(train, LAUNCH, tracking(setup, "killed"), log=lines.append)
+    assert any("resuming from step-0000004" in line for line in lines)
+    assert result["mlflow_run_id"] == run_id  # the same MLflow run continues
+    resumed, whole = curve(train.output_dir), curve(Path(uninterrupted["final_dir"]).parent)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(resumed[4:], whole[4:]):
+        for key in CURVE:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    a = AutoModelForCausalLM.from_pretrained(result["final_dir"])
+    b = AutoModelForCausalLM.from_pretrained(uninterrupted["final_dir"])
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup, uninterrupted):
+    run_dir = Path(uninterrupted["final_dir"]).parent
+    before = (run_dir / "final" / "model.safetensors").stat().st_mtime_ns
+    lines: list[str] = []
+    run_training(config(setup, "whole"), LAUNCH, log=lines.append)
+    assert any("resumed from 12" in line for line in lines)
+    assert (run_dir / "final" / "model.safetensors").stat().st_mtime_ns == before
+    with pytest.raises(TrainingFailed, match="other settings.*micro_batch_size: 2 -> 1"):
+        run_training(config(setup, "whole", micro_batch_size=1), LAUNCH, log=lambda line: None)
+
+
+def test_curriculum_stage_starts_from_the_previous_export_with_zero3(setup, uninterrupted):
+    """Stage 2: trajectories of block size 8 from stage 1's model, trained from it under ZeRO-3."""
+    stage1 = Path(uninterrupted["final_dir"])
+    data = packed_data(stage1, setup["root"] / "stage2-data", block_size=8, max_new_tokens=16)
+    train = config(setup, "stage2", data=str(data), model=ModelConfig(name_or_path=str(stage1)), epochs=1,
+                   max_steps=3, checkpoint_every=2)  # fmt: skip
+    result = run_training(train, LaunchConfig(processes=2, deepspeed_config="zero3", threads_per_process=1),
+                          log=lambda line: None)  # fmt: skip
+    assert [r["step"] for r in curve(train.output_dir)] == [1, 2, 3]
+    model = AutoModelForCausalLM.from_pretrained(result["final_dir"])  # ZeRO-3 shards gathered into one model
+    before = AutoModelForCausalLM.from_pretrained(stage1)
+    assert model.state_dict().keys() == before.state_dict().keys()
+    assert not torch.equal(model.lm_head.weight, before.lm_head.weight)
+    assert json.loads((Path(result["final_dir"]) / "jacobi_forcing.json").read_text())["block_size"] == 8
+
+
+def test_bad_inputs_fail_before_any_process_starts(setup, tmp_path):
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        bad = tmp_path / "ds.json"
+        bad.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}))
+        run_training(config(setup, "x"), LaunchConfig(deepspeed_config=str(bad)))
+    with pytest.raises(ConfigError, match="zero7.*zero0, zero1, zero2, zero3, zero3_offload"):
+        run_training(config(setup, "x"), LaunchConfig(deepspeed_config="zero7"))
+    with pytest.raises(TrainingDataError, match="no stats.json"):
+        run_training(config(setup, "x", data=str(tmp_path)), LAUNCH)
+    with pytest.raises(ModelLoadError):
+        run_training(config(setup, "x", model=ModelConfig(name_or_path=str(tmp_path / "missing"))), LAUNCH)
+    other = save_tiny_checkpoint(tmp_path / "other", vocab_size=64)
+    with pytest.raises(TrainingDataError, match="tokenizer fingerprint"):
+        run_training(config(setup, "x", model=ModelConfig(name_or_path=str(other))), LAUNCH)
+    with pytest.raises(ConfigError, match="precision"):
+        config(setup, "x", model=ModelConfig(name_or_path="m", dtype="bfloat16"))
+    assert not (setup["root"] / "x").exists()  # nothing was started or written
