@@ -13,7 +13,6 @@ import mlflow
 from mlflow.pyfunc import PythonModel
 
 
-
 class JacobiForcingModel(PythonModel):
     def load_context(self, context) -> None:
         from jfcore.models import ModelConfig, load_model

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
-
 from importlib.metadata import version
+from pathlib import Path
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check
@@ -51,7 +50,7 @@ def flat_params(data: dict, prefix: str = "") -> dict[str, str]:
 
 def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | None = None) -> str:
     """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with params."""
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
 
     mlflow = client(config)
     record = folder / RUN_FILE

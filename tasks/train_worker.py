@@ -29,7 +29,9 @@ def main(argv: list[str]) -> None:
         (Path(config.output_dir) / f"{FAILURE_PREFIX}rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
         raise
     if os.environ.get("RANK", "0") == "0":
-        print(f"training finished: {result.steps} steps (resumed from {result.resumed_from}); model in {result.final_dir}")
+        print(
+            f"training finished: {result.steps} steps (resumed from {result.resumed_from}); model in {result.final_dir}"
+        )
 
 
 if __name__ == "__main__":

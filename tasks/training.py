@@ -24,11 +24,18 @@ import torch
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, to_dict
-from jfcore.models import load_tokenizer, tokenizer_fingerprint
+from jfcore.config import ConfigError, check, from_dict, load_file, to_dict
+from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from jfcore.training.config import TrainConfig
-from jfcore.training.data import packing_stats
-from jfcore.training.loop import CHECKPOINTS, DEEPSPEED_CONFIG, FAILURE_PREFIX, METRICS, complete_checkpoints, deepspeed_config
+from jfcore.training.data import TrainingDataError, packing_stats
+from jfcore.training.loop import (
+    CHECKPOINTS,
+    DEEPSPEED_CONFIG,
+    FAILURE_PREFIX,
+    METRICS,
+    complete_checkpoints,
+    deepspeed_config,
+)
 from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
@@ -47,7 +54,9 @@ class LaunchConfig:
     timeout_s: float | None = None  # kill the job after this long (it can be resumed)
 
     def __post_init__(self) -> None:
-        check(self.processes is None or self.processes >= 1, f"LaunchConfig.processes: must be >= 1, got {self.processes}")
+        check(
+            self.processes is None or self.processes >= 1, f"LaunchConfig.processes: must be >= 1, got {self.processes}"
+        )
         check(self.threads_per_process is None or self.threads_per_process >= 1,
               f"LaunchConfig.threads_per_process: must be >= 1, got {self.threads_per_process}")  # fmt: skip
 
@@ -65,9 +74,10 @@ def load_deepspeed_config(name_or_path: str) -> dict:
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
 
 
-def run_training(train: TrainConfig, launch: LaunchConfig = LaunchConfig(), tracking: TrackingConfig = TrackingConfig(),
+def run_training(train: TrainConfig, launch: LaunchConfig | None = None, tracking: TrackingConfig | None = None,
                  log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
+    launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
     out = Path(train.output_dir)
     deepspeed_base = load_deepspeed_config(launch.deepspeed_config)
     deepspeed_config(deepspeed_base, train, 1, False)  # refuses clashing keys before anything starts
@@ -104,7 +114,10 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
         env["DS_ACCELERATOR"] = "cpu"
         threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // processes)
         env["OMP_NUM_THREADS"] = str(threads)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"))
+    env.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", "tasks.train_worker", str(launch_file)]  # fmt: skip
     for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
@@ -153,3 +166,31 @@ def train_task(train: dict, launch: dict | None = None, tracking: dict | None = 
     """Prefect task over `run_training`; the configs are plain data, checked strictly."""
     return run_training(from_dict(TrainConfig, train, "train"), from_dict(LaunchConfig, launch or {}, "launch"),
                         from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
+
+
+SECTIONS = {"train": TrainConfig, "launch": LaunchConfig, "tracking": TrackingConfig}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """jf-train --config RECIPE: run (or resume) the training stage alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Distill a model on packed Jacobi trajectories with DeepSpeed.")
+    parser.add_argument("--config", required=True, help="YAML or JSON with sections train, launch, tracking")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_file(args.config)
+        unknown = sorted(set(recipe) - set(SECTIONS))
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown section(s) {', '.join(unknown)}; use {', '.join(SECTIONS)}")
+        if "train" not in recipe:
+            raise ConfigError(f"{args.config}: the train section is required")
+        configs = {name: from_dict(cls, recipe.get(name) or {}, name) for name, cls in SECTIONS.items()}
+        result = run_training(configs["train"], configs["launch"], configs["tracking"])
+    except (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed) as err:
+        sys.exit(f"error: {err}")
+    print(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

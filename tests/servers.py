@@ -25,7 +25,7 @@ def mlflow_server(folder: Path):
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    log = open(folder / "server.log", "w")
+    log = open(folder / "server.log", "w")  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts")],

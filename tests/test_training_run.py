@@ -82,7 +82,7 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
     records = curve(uninterrupted["final_dir"] + "/..")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     first, last = records[:4], records[-4:]  # first and last epoch: the same 16 sequences, reshuffled
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
     assert mean(last, "loss") < 0.8 * mean(first, "loss")
     assert mean(last, "ar_loss") < mean(first, "ar_loss")
     assert all(r["tokens_per_second"] > 0 and r["grad_norm"] > 0 for r in records)
@@ -107,7 +107,8 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
 def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uninterrupted):
     import mlflow
 
-    from jfcore.models import ModelConfig as MC, load_model
+    from jfcore.models import ModelConfig as MC
+    from jfcore.models import load_model
 
     mlflow.set_tracking_uri(setup["mlflow"])
     served = mlflow.pyfunc.load_model(f"models:/jf-tiny/{uninterrupted['model']['version']}")
@@ -184,11 +185,12 @@ def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup,
 
 
 def test_curriculum_stage_starts_from_the_previous_export_with_zero3(setup, uninterrupted):
-    """Stage 2: trajectories of block size 8 from stage 1's model, trained from it under ZeRO-3."""
+    """Stage 2: trajectories of block size 8 from stage 1's model, trained from it under ZeRO-3
+    with gradient checkpointing."""
     stage1 = Path(uninterrupted["final_dir"])
     data = packed_data(stage1, setup["root"] / "stage2-data", block_size=8, max_new_tokens=16)
     train = config(setup, "stage2", data=str(data), model=ModelConfig(name_or_path=str(stage1)), epochs=1,
-                   max_steps=3, checkpoint_every=2)  # fmt: skip
+                   max_steps=3, checkpoint_every=2, gradient_checkpointing=True)  # fmt: skip
     result = run_training(train, LaunchConfig(processes=2, deepspeed_config="zero3", threads_per_process=1),
                           log=lambda line: None)  # fmt: skip
     assert [r["step"] for r in curve(train.output_dir)] == [1, 2, 3]

@@ -38,7 +38,9 @@ class PackedBatch:
     tokens: int  # real (non-PAD) tokens: what tokens/s counts
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        moved = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()
+        }
         return PackedBatch(**moved)
 
 

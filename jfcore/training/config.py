@@ -39,9 +39,14 @@ class TrainConfig:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "checkpoint_every",
                      "keep_checkpoints"):  # fmt: skip
             check(getattr(self, name) >= 1, f"TrainConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        check(self.max_steps is None or self.max_steps >= 1, f"TrainConfig.max_steps: must be >= 1, got {self.max_steps}")
+        check(
+            self.max_steps is None or self.max_steps >= 1, f"TrainConfig.max_steps: must be >= 1, got {self.max_steps}"
+        )
         check(self.learning_rate > 0, f"TrainConfig.learning_rate: must be > 0, got {self.learning_rate}")
-        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"TrainConfig.betas: {self.betas} are not two values in [0, 1)")
+        check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"TrainConfig.betas: {self.betas} are not two values in [0, 1)",
+        )
         check(0 <= self.warmup_ratio < 1, f"TrainConfig.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         check(self.max_grad_norm >= 0, f"TrainConfig.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         check(self.ar_weight >= 0, f"TrainConfig.ar_weight: must be >= 0, got {self.ar_weight}")

@@ -81,7 +81,9 @@ def complete_checkpoints(folder: Path) -> list[str]:
     return sorted(p.parent.name for p in folder.glob(f"*/{COMPLETE}"))
 
 
-def train(config: TrainConfig, deepspeed_base: dict, on_metrics: Callable[[int, dict], None] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, deepspeed_base: dict, on_metrics: Callable[[int, dict], None] | None = None
+) -> TrainResult:
     import deepspeed  # here, so the rest of jfcore works without it
 
     cuda = torch.cuda.is_available()
@@ -92,7 +94,9 @@ def train(config: TrainConfig, deepspeed_base: dict, on_metrics: Callable[[int, 
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = config.precision == "bfloat16" or (config.precision == "auto" and cuda)
-    attn = {"auto": "flex_attention" if cuda else "sdpa", "flex": "flex_attention"}.get(config.attention, config.attention)
+    attn = {"auto": "flex_attention" if cuda else "sdpa", "flex": "flex_attention"}.get(
+        config.attention, config.attention
+    )
     torch.manual_seed(config.seed)
 
     model, tokenizer = load_model(replace(config.model, device=str(device), attn_implementation=attn))
