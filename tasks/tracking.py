@@ -87,12 +87,21 @@ def metric_logger(config: TrackingConfig, run_id: str):
     def log(step: int, metrics: dict) -> None:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if not math.isnan(float(v))]
-        mlflow.log_batch(run_id, metrics=batch)
+        try:
+            mlflow.log_batch(run_id, metrics=batch)
+        except Exception as err:  # a tracking hiccup must not kill training; metrics.jsonl has every step
+            print(f"warning: MLflow did not take step {step}'s metrics ({err})", flush=True)
 
     return log
 
 
-def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path) -> dict:
+def logged_model(folder: Path) -> dict | None:
+    """What `log_model_by_path` logged for the stage in `folder`, if it did."""
+    record = folder / RUN_FILE
+    return json.loads(record.read_text()).get("model") if record.is_file() else None
+
+
+def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path) -> dict:
     """Log an HF checkpoint folder as a Jacobi-decoding pyfunc without loading it (no input example),
     and register it when configured. (MLflow's transformers flavor cannot log transformers 5
     checkpoints by path.)"""
@@ -115,5 +124,8 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path) -> 
             signature=infer_signature(["prompt"], ["completion"], params=dict(SERVING_PARAMS)),
             registered_model_name=config.registered_model,
         )
-    return {"model_uri": info.model_uri, "registered_model": config.registered_model,
-            "version": info.registered_model_version}  # fmt: skip
+    model = {"model_uri": info.model_uri, "registered_model": config.registered_model,
+             "version": info.registered_model_version}  # fmt: skip
+    record = json.loads((folder / RUN_FILE).read_text()) | {"model": model}
+    atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record)))  # a rerun logs no second copy
+    return model

@@ -36,7 +36,7 @@ from jfcore.training.loop import (
     complete_checkpoints,
     deepspeed_config,
 )
-from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
+from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 LAUNCH_FILE = "launch.json"
@@ -93,15 +93,24 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
     atomic_write(launch_file, lambda tmp: tmp.write_text(json.dumps(content, indent=2)))
     resumed = complete_checkpoints(out / CHECKPOINTS)
     log(f"training into {out}" + (f", resuming from {resumed[-1]}" if resumed and train.resume else ""))
-    _launch(launch_file, launch, log)
+    try:
+        _launch(launch_file, launch, log)
+    except BaseException:
+        if run_id:
+            client(tracking).set_terminated(run_id, "FAILED")  # a rerun resumes it: RUNNING again
+        raise
 
     result = {"final_dir": str(out / "final"), "mlflow_run_id": run_id, "metrics": _last_metrics(out / METRICS)}
     if run_id:
-        mlflow = client(tracking)
-        for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE):
-            mlflow.log_artifact(run_id, str(out / name), artifact_path="training")
-        result["model"] = log_model_by_path(tracking, run_id, out / "final")
-        log(f"model logged to MLflow run {run_id}: {result['model']['model_uri']}"
+        result["model"] = logged_model(out)
+        if result["model"] is None:
+            mlflow = client(tracking)
+            for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE):
+                mlflow.log_artifact(run_id, str(out / name), artifact_path="training")
+            result["model"] = log_model_by_path(tracking, run_id, out / "final", out)  # ends the run: FINISHED
+        else:
+            client(tracking).set_terminated(run_id, "FINISHED")
+        log(f"model in MLflow run {run_id}: {result['model']['model_uri']}"
             + (f", registered as {tracking.registered_model} v{result['model']['version']}" if tracking.registered_model else ""))  # fmt: skip
     return result
 
@@ -161,7 +170,18 @@ def _last_metrics(path: Path) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-@task(name="train", retries=1, retry_delay_seconds=5)  # a retry resumes from the newest checkpoint
+def _processes_failed(task, task_run, state) -> bool:
+    """Retry only a job whose processes died (a retry resumes from the newest checkpoint), not bad input."""
+    try:
+        state.result()
+    except TrainingFailed:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_processes_failed)
 def train_task(train: dict, launch: dict | None = None, tracking: dict | None = None) -> dict:
     """Prefect task over `run_training`; the configs are plain data, checked strictly."""
     return run_training(from_dict(TrainConfig, train, "train"), from_dict(LaunchConfig, launch or {}, "launch"),

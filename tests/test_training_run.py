@@ -157,6 +157,7 @@ def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
     killer.join()
     assert killed, "the training finished before a rank could be killed"
     run_id = json.loads((Path(train.output_dir) / "mlflow_run.json").read_text())["run_id"]
+    assert client(tracking(setup, "killed")).get_run(run_id).info.status == "FAILED"
 
     lines: list[str] = []
     result = run_training(train, LAUNCH, tracking(setup, "killed"), log=lines.append)
@@ -176,10 +177,15 @@ def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
 def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup, uninterrupted):
     run_dir = Path(uninterrupted["final_dir"]).parent
     before = (run_dir / "final" / "model.safetensors").stat().st_mtime_ns
+    mlflow = client(tracking(setup, "whole"))
+    versions = len(mlflow.search_model_versions("name='jf-tiny'"))
     lines: list[str] = []
-    run_training(config(setup, "whole"), LAUNCH, log=lines.append)
+    again = run_training(config(setup, "whole"), LAUNCH, tracking(setup, "whole"), log=lines.append)
     assert any("resumed from 12" in line for line in lines)
     assert (run_dir / "final" / "model.safetensors").stat().st_mtime_ns == before
+    assert again["mlflow_run_id"] == uninterrupted["mlflow_run_id"] and again["model"] == uninterrupted["model"]
+    assert len(mlflow.search_model_versions("name='jf-tiny'")) == versions  # no second registration
+    assert mlflow.get_run(again["mlflow_run_id"]).info.status == "FINISHED"
     with pytest.raises(TrainingFailed, match="other settings.*micro_batch_size: 2 -> 1"):
         run_training(config(setup, "whole", micro_batch_size=1), LAUNCH, log=lambda line: None)
 

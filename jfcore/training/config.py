@@ -30,7 +30,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     checkpoint_every: int = 50  # optimizer steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # older checkpoints are deleted
-    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir; false discards them
     seed: int = 0
 
     def __post_init__(self) -> None:

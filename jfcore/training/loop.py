@@ -1,7 +1,7 @@
 """The distillation loop on a DeepSpeed engine: one process per GPU, or CPU processes over gloo.
 
 Run it under a launcher (torchrun or deepspeed) that sets RANK, WORLD_SIZE and
-LOCAL_RANK, or as a single process without one. It trains, checkpoints every
+LOCAL_RANK; `tasks.training` does that. It trains, checkpoints every
 `checkpoint_every` optimizer steps (model, optimizer, scheduler, data position,
 RNG), resumes from the newest complete checkpoint, and exports the final model
 as a plain HF checkpoint with its tokenizer.
@@ -123,6 +123,10 @@ def train(
     schedule = {"world_size": world, "data": data.fingerprint, "total_steps": total,
                 "micro_batch_size": config.micro_batch_size, "seed": config.seed,
                 "gradient_accumulation_steps": config.gradient_accumulation_steps}  # fmt: skip
+    if not config.resume and rank == 0:  # starting over: older checkpoints would outrank the new ones
+        for stale in (checkpoints, out / FINAL):
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
     start = _resume(engine, checkpoints, schedule) if config.resume else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
