@@ -28,8 +28,8 @@ from jfcore.prompts import PromptSource
 from jfcore.training.config import TrainConfig
 from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
-from tasks.trajectories import RayConfig, generate_trajectories
 from tasks.training import LaunchConfig, run_training
+from tasks.trajectories import RayConfig, generate_trajectories
 
 # name -> (processes, threads per process, DeepSpeed config, gradient checkpointing, precision)
 SETTINGS = {

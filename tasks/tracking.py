@@ -89,7 +89,7 @@ def metric_logger(config: TrackingConfig, run_id: str):
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if not math.isnan(float(v))]
         try:
             mlflow.log_batch(run_id, metrics=batch)
-        except Exception as err:  # a tracking hiccup must not kill training; metrics.jsonl has every step
+        except Exception as err:  # noqa: BLE001 (a tracking hiccup must not kill training; metrics.jsonl has every step)
             print(f"warning: MLflow did not take step {step}'s metrics ({err})", flush=True)
 
     return log

@@ -176,7 +176,7 @@ def _processes_failed(task, task_run, state) -> bool:
         state.result()
     except TrainingFailed:
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 (any other failure is bad input: retrying cannot fix it)
         return False
     return False
 

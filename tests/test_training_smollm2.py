@@ -14,15 +14,18 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
+from jfcore.chat import encode_chat
 from jfcore.config import to_dict
-from jfcore.models import ModelConfig
+from jfcore.decoding import DecodeConfig, decode
+from jfcore.decoding.reference import hf_generate
+from jfcore.models import ModelConfig, load_model
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
-from jfcore.trajectories import TrajectoryConfig
 from jfcore.training.config import TrainConfig
+from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
-from tasks.trajectories import RayConfig, generate_trajectories
 from tasks.training import LaunchConfig, run_training, train_task
+from tasks.trajectories import RayConfig, generate_trajectories
 from tests.test_training_run import CURVE, curve, rank_processes
 
 pytestmark = pytest.mark.slow
@@ -84,3 +87,14 @@ def test_smollm2_trains_and_a_killed_run_resumes_through_prefect(packed):
         for key in CURVE:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert json.loads((Path(result["final_dir"]) / "jacobi_forcing.json").read_text())["steps"] == STEPS
+
+    # The exported SmolLM2 decodes exactly like its own greedy generate.
+    model, tokenizer = load_model(ModelConfig(name_or_path=result["final_dir"]))
+    prompts = [
+        encode_chat(tokenizer, "What is 12 * 7?"),
+        encode_chat(tokenizer, "Write a Python function that reverses a list."),
+    ]
+    out = decode(model, prompts, DecodeConfig(method="jacobi", block_size=16, max_new_tokens=32),
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    assert out.sequences == [hf_generate(model, [p], 32, eos, pad)[0] for p in prompts]
