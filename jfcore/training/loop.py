@@ -145,6 +145,8 @@ def train(
                             use_cache=False).logits  # fmt: skip
             losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature)
             engine.backward(losses.total)
+            if micro == config.gradient_accumulation_steps - 1:
+                own_norm = _plain_grad_norm(engine)
             lr = scheduler.get_last_lr()[0]  # the rate this step applies
             engine.step()
             sums += torch.tensor([losses.total.item(), losses.ar.item(), losses.consistency.item(), batch.tokens],
@@ -152,6 +154,7 @@ def train(
         dist.all_reduce(sums)
         parts = sums[:3] / (world * config.gradient_accumulation_steps)
         grad_norm = engine.get_global_grad_norm()
+        grad_norm = own_norm if grad_norm is None else grad_norm
         metrics = {
             "loss": parts[0].item(), "ar_loss": parts[1].item(), "consistency_loss": parts[2].item(),
             "learning_rate": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -170,6 +173,16 @@ def train(
         _export(engine, tokenizer, final, {"training": to_dict(config), "steps": total, "block_size": data.block_size})
     dist.barrier()
     return TrainResult(final_dir=final, steps=total, resumed_from=start, last_metrics=metrics)
+
+
+def _plain_grad_norm(engine) -> float | None:
+    """The gradient norm DeepSpeed computes but does not keep without ZeRO (stage 0, float32).
+
+    Called after the boundary backward, where stage 0 has already all-reduced the gradients."""
+    if engine.zero_optimization_stage() != 0:
+        return None
+    norms = [p.grad.float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else None
 
 
 def _resume(engine, folder: Path, schedule: dict) -> int:
