@@ -1,0 +1,1 @@
+"""Evaluation: answer extraction and scoring for the benchmarks."""

@@ -1,0 +1,235 @@
+"""Running model-written code safely, and judging it with the benchmark's own tests.
+
+Two processes per program:
+- the program runs in `sandbox_server.py`: a separate Python process in its own session,
+  in a fresh temporary folder, with a minimal environment (no inherited secrets), CPU time,
+  address space, file size and process-count limits, and an audit hook refusing processes,
+  signals, sockets, ctypes and writes outside its folder; on timeout its whole process group
+  is killed;
+- the tests run here, in the trusted process. The program's functions are bound as proxies
+  that forward each call to the sandbox and unpickle the answer with `PlainData` (plain
+  Python values only), so the verdict cannot be forged: printing "passed", exiting early,
+  killing the server or returning an object whose __eq__ always says True all fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import pickle
+import re
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SERVER = Path(__file__).with_name("sandbox_server.py")
+REFERENCE = "__jf_sandbox_reference__"  # the same marker as in sandbox_server.py
+# What a program's environment keeps; everything else (tokens, keys, cloud credentials) is dropped.
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class SandboxFailure(Exception):
+    """The program could not be loaded or called (timeout, crash, refused operation, bad answer)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 10.0  # wall clock for loading the program and every call together
+    cpu_s: int = 10
+    memory_mb: int = 1024  # address space
+    file_mb: int = 16  # largest file the program may write
+    processes: int = 64  # RLIMIT_NPROC (counts the user's processes; root is exempt, the audit hook is not)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Literal["passed", "failed", "timeout", "load_error", "error"]
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+class PlainData(pickle.Unpickler):
+    """Unpickles answers from the sandbox: builtin values only, never a class or function of its choosing."""
+
+    # Builtin and standard-library value types: the program cannot change how they compare here.
+    ALLOWED = {("builtins", n) for n in ("complex", "set", "frozenset", "bytearray", "range", "slice", "int", "float",
+                                         "str", "bytes", "list", "dict", "tuple", "bool")} | {
+        ("collections", n) for n in ("Counter", "OrderedDict", "defaultdict", "deque")
+    } | {("fractions", "Fraction"), ("decimal", "Decimal")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise SandboxFailure(f"the program answered with a {module}.{name} object; only plain values are compared")
+
+
+def _limits(limits: SandboxLimits):
+    def apply() -> None:  # runs in the child between fork and exec
+        mb = 1 << 20
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+class Sandbox:
+    """One loaded program; `call(name, *args)` runs one of its functions in the sandbox."""
+
+    def __init__(self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self.deadline = time.monotonic() + self.limits.timeout_s
+        self.folder = tempfile.mkdtemp(prefix="jf-sandbox-")
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, cwd=self.folder, env=ENVIRONMENT | {"HOME": self.folder},
+            start_new_session=True, preexec_fn=_limits(self.limits), close_fds=True,
+        )  # fmt: skip
+        self.seq = 0
+        try:
+            self._send({"module": module, "program": program, "after": after})
+            answer = self._receive(0)
+            if answer[1] == "load_error":
+                raise SandboxFailure(f"the program failed to load: {answer[2]}: {answer[3]}")
+        except BaseException:
+            self.close()  # the with-block never starts, so clean up here
+            raise
+
+    def call(self, name: str, *args, **kwargs):
+        self.seq += 1
+        self._send((self.seq, name, args, kwargs))
+        answer = self._receive(self.seq)
+        if answer[1] == "error":
+            raise SandboxFailure(f"{name} raised {answer[2]}: {answer[3]}")
+        return answer[2]
+
+    def _send(self, message) -> None:
+        data = pickle.dumps(message)
+        try:
+            self.process.stdin.write(struct.pack("<I", len(data)) + data)
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError) as err:
+            raise SandboxFailure(f"the program's process is gone ({self._exit()})") from err
+
+    def _read(self, size: int) -> bytes:
+        chunks, fd = [], self.process.stdout.fileno()
+        while size:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise TimeoutError(f"the program ran past its {self.limits.timeout_s:g} s limit")
+            chunk = os.read(fd, size)
+            if not chunk:
+                raise SandboxFailure(f"the program's process ended ({self._exit()})")
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    def _receive(self, seq: int):
+        (size,) = struct.unpack("<I", self._read(4))
+        try:
+            answer = PlainData(io.BytesIO(self._read(size))).load()
+        except SandboxFailure:
+            raise
+        except Exception as err:
+            raise SandboxFailure(f"unreadable answer from the program: {err}") from err
+        if not isinstance(answer, tuple) or not answer or answer[0] != seq:
+            raise SandboxFailure("the program's process answered out of turn")
+        return answer
+
+    def _exit(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return "still running"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # everything it started, too
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A value that exists only in the sandbox: a global made by setup code from the program's own classes."""
+
+    name: str
+
+
+def _proxy(sandbox: Sandbox, name: str):
+    def call(*args, **kwargs):
+        args = tuple((REFERENCE, a.name) if isinstance(a, _Remote) else a for a in args)
+        return sandbox.call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _assigned_names(code: str) -> list[str]:
+    """Top-level names the trusted setup code assigns."""
+    if not code.strip():
+        return []
+    tree = ast.parse(code)
+    return [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)]
+
+
+def defined_functions(program: str) -> list[str]:
+    """Top-level function names of a program (read from its text, never by running it)."""
+    return re.findall(r"^(?:async\s+)?def\s+(\w+)\s*\(", program, flags=re.MULTILINE)
+
+
+def judge(program: str, tests: str, *, context: str = "", after: str = "", entry_points: list[str] | None = None,
+          limits: SandboxLimits | None = None) -> Verdict:  # fmt: skip
+    """Run `tests` here against `program` loaded in a sandbox.
+
+    `context` is trusted code run here before the tests (a HumanEval prompt's helpers,
+    MBPP's imports). `after` is setup code run in the sandbox after the program (MBPP's
+    test_setup_code, which builds arguments from classes the program defines); the names
+    it assigns reach the tests as references to those sandbox values. Calls to
+    `entry_points` (default: every function the program defines) go to the sandbox.
+    """
+    name = f"_jf_tests_{uuid.uuid4().hex}"
+    module = type(sys)(name)
+    try:
+        with Sandbox(program, name, after, limits) as sandbox:
+            exec(compile(context, "<context>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
+            for assigned in _assigned_names(after):
+                module.__dict__[assigned] = _Remote(assigned)
+            for function in entry_points or defined_functions(program):
+                module.__dict__[function] = _proxy(sandbox, function)
+            exec(compile(tests, "<tests>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
+        return Verdict("passed")
+    except TimeoutError as err:
+        return Verdict("timeout", str(err))
+    except SandboxFailure as err:
+        return Verdict("load_error" if "failed to load" in str(err) else "error", str(err))
+    except AssertionError as err:
+        return Verdict("failed", f"assertion failed {err}".strip())
+    except Exception as err:  # noqa: BLE001 (a test that cannot run against the program is a failure)
+        return Verdict("failed", f"{type(err).__name__}: {err}")
