@@ -135,23 +135,28 @@ def test_exported_model_loads_and_decodes_losslessly(setup, uninterrupted):
     assert (final / "tokenizer.json").is_file()
 
 
-def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
-    train = config(setup, "killed")
-    launch_file = Path(train.output_dir) / "launch.json"
-    marker = Path(train.output_dir) / "checkpoints" / "step-0000004" / "jf_complete.json"
+def kill_rank_1_at(output_dir: Path, step: int) -> tuple[threading.Thread, list[int]]:
+    """A started thread that SIGKILLs rank 1 of the job in `output_dir` once checkpoint `step` is complete."""
+    marker = output_dir / "checkpoints" / f"step-{step:07d}" / "jf_complete.json"
     killed: list[int] = []
 
-    def kill_rank_1_after_first_checkpoint() -> None:
-        deadline = time.time() + 600
+    def kill() -> None:
+        deadline = time.time() + 900
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
-        pid = rank_processes(launch_file).get(1)
+        pid = rank_processes(output_dir / "launch.json").get(1)
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    killer = threading.Thread(target=kill_rank_1_after_first_checkpoint)
-    killer.start()
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread, killed
+
+
+def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
+    train = config(setup, "killed")
+    killer, killed = kill_rank_1_at(Path(train.output_dir), step=4)
     with pytest.raises(TrainingFailed, match="resumes from the newest checkpoint"):
         run_training(train, LAUNCH, tracking(setup, "killed"), log=lambda line: None)
     killer.join()

@@ -5,10 +5,6 @@ Prefect's retry resumes it onto the uninterrupted run's loss curve."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +22,7 @@ from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
 from tasks.training import LaunchConfig, run_training, train_task
 from tasks.trajectories import RayConfig, generate_trajectories
-from tests.test_training_run import CURVE, curve, rank_processes
+from tests.test_training_run import CURVE, curve, kill_rank_1_at
 
 pytestmark = pytest.mark.slow
 STEPS = 24  # 16 sequences, 2 processes x 1: 8 steps an epoch, 3 epochs
@@ -60,24 +56,12 @@ def test_smollm2_trains_and_a_killed_run_resumes_through_prefect(packed):
     print(f"SmolLM2 loss by epoch {[round(m, 3) for m in means]}; {throughput:.0f} tokens/s (2 processes)")
 
     train = config(packed, "killed")
-    marker = Path(train.output_dir) / "checkpoints" / "step-0000008" / "jf_complete.json"
-    killed: list[int] = []
-
-    def kill_rank_1_once() -> None:
-        deadline = time.time() + 900
-        while not marker.exists() and time.time() < deadline:
-            time.sleep(0.1)
-        pid = rank_processes(Path(train.output_dir) / "launch.json").get(1)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
 
     @flow(name="train-smollm2")
     def train_flow() -> dict:
         return train_task(to_dict(train), to_dict(LAUNCH))
 
-    killer = threading.Thread(target=kill_rank_1_once)
-    killer.start()
+    killer, killed = kill_rank_1_at(Path(train.output_dir), step=8)
     result = train_flow()
     killer.join()
     assert killed, "training finished before a rank could be killed"

@@ -20,7 +20,6 @@ import io
 import os
 import pickle
 import re
-import resource
 import select
 import shutil
 import signal
@@ -78,18 +77,6 @@ class PlainData(pickle.Unpickler):
         raise SandboxFailure(f"the program answered with a {module}.{name} object; only plain values are compared")
 
 
-def _limits(limits: SandboxLimits):
-    def apply() -> None:  # runs in the child between fork and exec
-        mb = 1 << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
-
-
 class Sandbox:
     """One loaded program; `call(name, *args)` runs one of its functions in the sandbox."""
 
@@ -100,11 +87,14 @@ class Sandbox:
         self.process = subprocess.Popen(
             [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, cwd=self.folder, env=ENVIRONMENT | {"HOME": self.folder},
-            start_new_session=True, preexec_fn=_limits(self.limits), close_fds=True,
+            start_new_session=True, close_fds=True,
         )  # fmt: skip
         self.seq = 0
         try:
-            self._send({"module": module, "program": program, "after": after})
+            mb = 1 << 20
+            limits = {"RLIMIT_CPU": self.limits.cpu_s, "RLIMIT_AS": self.limits.memory_mb * mb,
+                      "RLIMIT_FSIZE": self.limits.file_mb * mb, "RLIMIT_NPROC": self.limits.processes, "RLIMIT_CORE": 0}  # fmt: skip
+            self._send({"module": module, "program": program, "after": after, "limits": limits})
             answer = self._receive(0)
             if answer[1] == "load_error":
                 raise SandboxFailure(f"the program failed to load: {answer[2]}: {answer[3]}")

@@ -1,7 +1,8 @@
 """The untrusted side of the code sandbox: loads one model-written program and answers calls into it.
 
 Run as `python -I sandbox_server.py` by jfcore.eval.sandbox, in its own session, in a fresh
-temporary folder, with a minimal environment and resource limits. Standard library only.
+temporary folder, with a minimal environment; it sets its resource limits itself before the
+program runs (the audit hook then refuses changing them). Standard library only.
 
 The verdict is never decided here: the benchmark's tests run in the trusted process and
 reach the program only through calls answered by this server, so nothing the program
@@ -17,6 +18,7 @@ renamed outside the working folder, and reads under /proc.
 
 import os
 import pickle
+import resource
 import struct
 import sys
 
@@ -92,6 +94,8 @@ def main() -> None:
     for fd in (0, 1):
         os.dup2(null, fd)
     setup = read_message(requests)
+    for name, value in setup["limits"].items():  # set here, not in a preexec_fn: the parent may have threads
+        resource.setrlimit(getattr(resource, name), (value, value))
     module = type(sys)(setup["module"])
     install_guard(os.getcwd())
     try:
