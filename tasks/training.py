@@ -24,7 +24,7 @@ import torch
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, load_file, to_dict
+from jfcore.config import ConfigError, check, from_dict, load_file, replace, to_dict
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError, packing_stats
@@ -78,6 +78,7 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
                  log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
     launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
+    train = _absolute_paths(train)  # the processes must read the same files, whatever their working folder
     out = Path(train.output_dir)
     deepspeed_base = load_deepspeed_config(launch.deepspeed_config)
     deepspeed_config(deepspeed_base, train, 1, False)  # refuses clashing keys before anything starts
@@ -115,6 +116,14 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
     return result
 
 
+def _absolute_paths(train: TrainConfig) -> TrainConfig:
+    model = train.model
+    if Path(model.name_or_path).exists():
+        model = replace(model, name_or_path=str(Path(model.name_or_path).resolve()))
+    return replace(train, data=str(Path(train.data).resolve()), output_dir=str(Path(train.output_dir).resolve()),
+                   model=model)  # fmt: skip
+
+
 def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None]) -> None:
     gpus = torch.cuda.device_count()
     processes = launch.processes or gpus or 2
@@ -123,6 +132,8 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
         env["DS_ACCELERATOR"] = "cpu"
         threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // processes)
         env["OMP_NUM_THREADS"] = str(threads)
+    root = str(Path(__file__).resolve().parents[1])  # so `-m tasks.train_worker` imports without an install
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.setdefault(
         "TORCH_EXTENSIONS_DIR",
         str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
@@ -135,7 +146,7 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+                            start_new_session=True)  # fmt: skip
 
     def kill() -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jfcore.config import ConfigError
+from jfcore.config import ConfigError, replace
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.models import ModelConfig, ModelLoadError
 from jfcore.training.config import TrainConfig
@@ -232,9 +232,13 @@ def test_bad_inputs_fail_before_any_process_starts(setup, tmp_path):
 
 
 @pytest.mark.parametrize("deepspeed_config", ["zero0", "zero1", "zero3_offload"])
-def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted, deepspeed_config):
-    """zero2 and zero3 run above; the other files under infra/deepspeed/ must work as shipped too."""
+def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted, deepspeed_config, monkeypatch):
+    """zero2 and zero3 run above; the other files under infra/deepspeed/ must work as shipped too.
+    The paths are relative to the caller's working folder, as in a recipe."""
+    monkeypatch.chdir(setup["root"])
     train = config(setup, f"ds-{deepspeed_config}", max_steps=2, checkpoint_every=2)
+    train = replace(train, data=os.path.relpath(train.data), output_dir=f"ds-{deepspeed_config}",
+                    model={"name_or_path": os.path.relpath(setup["checkpoint"])})  # fmt: skip
     result = run_training(train, LaunchConfig(processes=2, deepspeed_config=deepspeed_config, threads_per_process=1),
                           log=lambda line: None)  # fmt: skip
     records = curve(train.output_dir)
