@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.decode_bench import RESULTS, environment
-from jfcore.models import ModelConfig
+from jfcore.models import ModelConfig, load_tokenizer
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
 from jfcore.training.config import TrainConfig
@@ -47,8 +47,6 @@ def make_data(root: Path, model: ModelConfig, limit: int) -> Path:
         model, PromptSource(limit=limit), TrajectoryConfig(block_size=16, max_new_tokens=32, batch_size=8),
         RayConfig(num_workers=1, cpus_per_worker=os.cpu_count() or 1), root / "trajectories", prompts_per_shard=8,
     )  # fmt: skip
-    from jfcore.models import load_tokenizer
-
     pad = load_tokenizer(model).pad_token_id
     pack_trajectories(trajectories, root / "packed", PackingConfig(pad_token_id=pad))
     return root / "packed"

@@ -11,12 +11,16 @@ from pathlib import Path
 
 from jfcore.chat import read_jsonl
 
-# name -> (file under the data dir, field holding the prompt text)
-EVAL_SETS: dict[str, tuple[str, str]] = {
-    "gsm8k": ("eval/gsm8k_test.jsonl", "question"),
-    "humaneval": ("eval/humaneval.jsonl.gz", "prompt"),
-    "mbpp": ("eval/mbpp_sanitized_test.jsonl", "prompt"),
+# benchmark -> its shared copy under the data dir (jfcore.eval.benchmarks loads these too)
+EVAL_FILES: dict[str, str] = {
+    "humaneval": "eval/humaneval.jsonl.gz",
+    "mbpp": "eval/mbpp_sanitized_test.jsonl",
+    "mbpp_full": "eval/mbpp_test.jsonl",
+    "gsm8k": "eval/gsm8k_test.jsonl",
+    "math500": "eval/math500_test.jsonl",
 }
+# the sets the decoding demo and benchmark read prompts from -> the field holding the prompt text
+EVAL_SETS: dict[str, str] = {"gsm8k": "question", "humaneval": "prompt", "mbpp": "prompt"}
 
 
 def default_data_dir() -> Path:
@@ -29,7 +33,7 @@ def eval_prompts(name: str, limit: int | None = None, data_dir: str | Path | Non
     """The first `limit` prompt texts of the evaluation set `name` (see EVAL_SETS)."""
     if name not in EVAL_SETS:
         raise KeyError(f"unknown evaluation set '{name}' (known: {', '.join(EVAL_SETS)})")
-    relative, field = EVAL_SETS[name]
+    relative, field = EVAL_FILES[name], EVAL_SETS[name]
     path = Path(data_dir) if data_dir is not None else default_data_dir()
     if not (path / relative).is_file():
         raise FileNotFoundError(

@@ -24,7 +24,7 @@ class JacobiForcingModel(PythonModel):
         from jfcore.decoding import DecodeConfig, decode
 
         texts = model_input if isinstance(model_input, list) else list(model_input.iloc[:, 0])
-        settings = {"method": "multiblock", "block_size": 16, "max_new_tokens": 256} | (params or {})
+        settings = params or {}  # MLflow fills what the caller left out from the signature's defaults
         prompts = [encode_chat(self.tokenizer, str(text)) for text in texts]
         out = decode(self.model, prompts, DecodeConfig(**settings), eos_token_id=self.tokenizer.eos_token_id,
                      pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import socket
 import threading
@@ -13,28 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from jfcore.eval.code import humaneval_problem, mbpp_problem, score_completion
+from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.eval.code import CodeProblem, score_completion
 from jfcore.eval.sandbox import SandboxLimits, judge
-from jfcore.paths import default_data_dir
 
-EVAL = default_data_dir() / "eval"
 TEST = "assert f(1) == 2\n"
 QUICK = SandboxLimits(timeout_s=3, cpu_s=2)
 
 
-def jsonl(name: str) -> list[dict]:
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(EVAL / name, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def code_problems(name: str) -> list[CodeProblem]:
+    return [p.code for p in load_benchmark(BenchmarkConfig(name))]
 
 
-@pytest.mark.parametrize(
-    "name, make, count",
-    [("humaneval.jsonl.gz", humaneval_problem, 164), ("mbpp_sanitized_test.jsonl", mbpp_problem, 257),
-     ("mbpp_test.jsonl", mbpp_problem, 500)],
-)  # fmt: skip
-def test_every_reference_solution_passes(name, make, count):
-    problems = [make(row) for row in jsonl(name)]
+@pytest.mark.parametrize("name, count", [("humaneval", 164), ("mbpp", 257), ("mbpp_full", 500)])
+def test_every_reference_solution_passes(name, count):
+    problems = code_problems(name)
     assert len(problems) == count
     with ThreadPoolExecutor(4) as pool:
         verdicts = list(pool.map(lambda p: score_completion(p, p.reference), problems))
@@ -42,10 +33,9 @@ def test_every_reference_solution_passes(name, make, count):
 
 
 def test_a_wrong_solution_fails_and_a_fenced_completion_passes():
-    row = jsonl("humaneval.jsonl.gz")[0]
-    problem = humaneval_problem(row)
+    problem = code_problems("humaneval")[0]
     assert not score_completion(problem, "    return False\n").passed
-    fenced = f"Here you go:\n```python\n{row['prompt']}{row['canonical_solution']}```\n"
+    fenced = f"Here you go:\n```python\n{problem.reference}```\n"
     assert score_completion(problem, fenced).passed
 
 

@@ -55,11 +55,10 @@ def gsm8k_gold(answer: str) -> str:
 
 def final_number(text: str) -> str | None:
     """The final numeric answer of a completion, or None."""
-    for marker in ("####",):
-        if marker in text:
-            found = NUMBER.findall(text.rsplit(marker, 1)[1])
-            if found:
-                return found[0]
+    if "####" in text:
+        found = NUMBER.findall(text.rsplit("####", 1)[1])
+        if found:
+            return found[0]
     boxed = last_boxed(text)
     if boxed is not None:
         found = NUMBER.findall(boxed.replace("\\!", "").replace("{,}", ","))

@@ -27,7 +27,7 @@ from typing import Literal
 from jfcore.config import ConfigError, check
 from jfcore.eval.answers import gsm8k_correct, gsm8k_gold, math_correct
 from jfcore.eval.code import CodeProblem, humaneval_problem, mbpp_problem, score_completion
-from jfcore.paths import default_data_dir
+from jfcore.paths import EVAL_FILES, default_data_dir
 
 BenchmarkName = Literal["humaneval", "mbpp", "mbpp_full", "gsm8k", "math500"]
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -95,19 +95,16 @@ def _math500(row: dict) -> Problem:
 
 @dataclass(frozen=True)
 class _Spec:
-    local: str
     hub: tuple[str, str | None, str]  # id, config, split
     make: Callable[[dict], Problem]
 
 
 SPECS: dict[str, _Spec] = {
-    "humaneval": _Spec("eval/humaneval.jsonl.gz", ("openai/openai_humaneval", None, "test"), _humaneval),
-    "mbpp": _Spec(
-        "eval/mbpp_sanitized_test.jsonl", ("google-research-datasets/mbpp", "sanitized", "test"), _mbpp("mbpp")
-    ),
-    "mbpp_full": _Spec("eval/mbpp_test.jsonl", ("google-research-datasets/mbpp", "full", "test"), _mbpp("mbpp_full")),
-    "gsm8k": _Spec("eval/gsm8k_test.jsonl", ("openai/gsm8k", "main", "test"), _gsm8k),
-    "math500": _Spec("eval/math500_test.jsonl", ("HuggingFaceH4/MATH-500", None, "test"), _math500),
+    "humaneval": _Spec(("openai/openai_humaneval", None, "test"), _humaneval),
+    "mbpp": _Spec(("google-research-datasets/mbpp", "sanitized", "test"), _mbpp("mbpp")),
+    "mbpp_full": _Spec(("google-research-datasets/mbpp", "full", "test"), _mbpp("mbpp_full")),
+    "gsm8k": _Spec(("openai/gsm8k", "main", "test"), _gsm8k),
+    "math500": _Spec(("HuggingFaceH4/MATH-500", None, "test"), _math500),
 }
 
 
@@ -141,7 +138,7 @@ def load_benchmark(config: BenchmarkConfig, data_dir: str | Path | None = None) 
     if config.name not in SPECS:
         raise ConfigError(f"unknown benchmark {config.name!r}; known: {', '.join(SPECS)}")
     spec = SPECS[config.name]
-    local = Path(data_dir or default_data_dir()) / spec.local
+    local = Path(data_dir or default_data_dir()) / EVAL_FILES[config.name]
     if config.path is not None and Path(config.path).expanduser().is_file():
         rows = _read_rows(Path(config.path).expanduser())
     elif config.path is not None and (config.path.startswith(("/", ".", "~")) or Path(config.path).suffix):

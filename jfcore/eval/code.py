@@ -13,6 +13,7 @@ from jfcore.eval.sandbox import SandboxLimits, Verdict, judge
 class CodeProblem:
     task_id: str
     prompt: str  # what the model is asked
+    stub: str  # code a completion may continue (HumanEval's signature and docstring; "" for MBPP)
     context: str  # trusted code the tests need (HumanEval: the prompt's helpers; MBPP: imports)
     tests: str
     after: str  # trusted setup run after the program (MBPP test_setup_code)
@@ -22,7 +23,7 @@ class CodeProblem:
 
 def humaneval_problem(row: dict) -> CodeProblem:
     return CodeProblem(
-        task_id=row["task_id"], prompt=row["prompt"], context=row["prompt"],
+        task_id=row["task_id"], prompt=row["prompt"], stub=row["prompt"], context=row["prompt"],
         tests=f"{row['test']}\ncheck({row['entry_point']})\n", after="", entry_point=row["entry_point"],
         reference=row["prompt"] + row["canonical_solution"],
     )  # fmt: skip
@@ -34,7 +35,7 @@ def mbpp_problem(row: dict) -> CodeProblem:
     called = re.findall(r"(\w+)\s*\(", tests)
     entry = next((name for name in called if re.search(rf"^def\s+{name}\s*\(", row["code"], re.MULTILINE)), None)
     return CodeProblem(
-        task_id=str(row["task_id"]), prompt=row.get("prompt") or row["text"],
+        task_id=str(row["task_id"]), prompt=row.get("prompt") or row["text"], stub="",
         context="\n".join(row.get("test_imports") or []), tests=tests, after=row.get("test_setup_code") or "",
         entry_point=entry, reference=row["code"],
     )  # fmt: skip
@@ -42,6 +43,5 @@ def mbpp_problem(row: dict) -> CodeProblem:
 
 def score_completion(problem: CodeProblem, completion: str, limits: SandboxLimits | None = None) -> Verdict:
     """Pass@1 verdict of one completion: its program, judged by the problem's tests."""
-    program = extract_program(completion, problem.prompt if problem.context == problem.prompt else "",
-                              problem.entry_point)  # fmt: skip
+    program = extract_program(completion, problem.stub, problem.entry_point)
     return judge(program, problem.tests, context=problem.context, after=problem.after, limits=limits)

@@ -43,6 +43,10 @@ class SandboxFailure(Exception):
     """The program could not be loaded or called (timeout, crash, refused operation, bad answer)."""
 
 
+class ProgramLoadError(SandboxFailure):
+    """Running the program's top level failed (or it exited) before any test could call it."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock for loading the program and every call together
@@ -97,7 +101,7 @@ class Sandbox:
             self._send({"module": module, "program": program, "after": after, "limits": limits})
             answer = self._receive(0)
             if answer[1] == "load_error":
-                raise SandboxFailure(f"the program failed to load: {answer[2]}: {answer[3]}")
+                raise ProgramLoadError(f"the program failed to load: {answer[2]}: {answer[3]}")
         except BaseException:
             self.close()  # the with-block never starts, so clean up here
             raise
@@ -217,8 +221,10 @@ def judge(program: str, tests: str, *, context: str = "", after: str = "", entry
         return Verdict("passed")
     except TimeoutError as err:
         return Verdict("timeout", str(err))
+    except ProgramLoadError as err:
+        return Verdict("load_error", str(err))
     except SandboxFailure as err:
-        return Verdict("load_error" if "failed to load" in str(err) else "error", str(err))
+        return Verdict("error", str(err))
     except AssertionError as err:
         return Verdict("failed", f"assertion failed {err}".strip())
     except Exception as err:  # noqa: BLE001 (a test that cannot run against the program is a failure)

@@ -39,7 +39,6 @@ class PackedData:
 
     def __init__(self, folder: str | Path, tokenizer_fingerprint: str | None = None):
         folder = Path(folder)
-        stats_file = folder / "stats.json"
         stats = packing_stats(folder, tokenizer_fingerprint)
         self.rows: list[dict] = []
         for name in stats["shards"]:
@@ -51,7 +50,7 @@ class PackedData:
             raise TrainingDataError(f"{folder}: stats.json counts {stats['sequences']} sequences but the shards "
                                     f"hold {len(self.rows)}; rerun packing")  # fmt: skip
         self.block_size = self.rows[0]["block_size"] if self.rows else None
-        self.fingerprint = hashlib.sha256(stats_file.read_bytes()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -136,7 +136,9 @@ def train(
     metrics: dict = {}
     for step in range(start, total):
         began = time.perf_counter()
-        sums = torch.zeros(4, dtype=torch.float64)  # total, ar, consistency, tokens
+        lr = scheduler.get_last_lr()[0]  # the rate this step applies
+        losses_sum = torch.zeros(3, device=device)  # total, ar, consistency: summed on the device, read once
+        tokens = 0
         for micro in range(config.gradient_accumulation_steps):
             rows = [data.rows[i] for i in order.rows(step, micro, rank)]
             batch = collate(rows, tokenizer.pad_token_id, tokenizer.eos_token_id).to(device)
@@ -147,10 +149,10 @@ def train(
             engine.backward(losses.total)
             if micro == config.gradient_accumulation_steps - 1:
                 own_norm = _plain_grad_norm(engine)
-            lr = scheduler.get_last_lr()[0]  # the rate this step applies
             engine.step()
-            sums += torch.tensor([losses.total.item(), losses.ar.item(), losses.consistency.item(), batch.tokens],
-                                 dtype=torch.float64)  # fmt: skip
+            losses_sum += torch.stack([losses.total.detach(), losses.ar, losses.consistency]).float()
+            tokens += batch.tokens
+        sums = torch.cat([losses_sum.double().cpu(), torch.tensor([tokens], dtype=torch.float64)])
         dist.all_reduce(sums)
         parts = sums[:3] / (world * config.gradient_accumulation_steps)
         grad_norm = engine.get_global_grad_norm()
