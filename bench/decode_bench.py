@@ -24,9 +24,10 @@ import torch
 import transformers
 
 from jfcore.chat import encode_chat, read_jsonl
-from jfcore.decoding import DecodeConfig, decode, special_tokens
-from jfcore.decoding.reference import first_divergence, hf_generate
+from jfcore.decoding import special_tokens
+from jfcore.decoding.reference import first_divergence
 from jfcore.decoding.slots import device_sync
+from jfcore.eval.methods import Method, hf_method, project_method
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 
@@ -53,61 +54,6 @@ class Prompt:
     source: str  # the prompt set it came from (results are also broken down by it)
     text: str
     ids: list[int]
-
-
-@dataclass
-class Run:
-    """One method on one batch: the new tokens per prompt and the split of the time."""
-
-    sequences: list[list[int]]
-    prefill_seconds: float
-    decode_seconds: float
-    forward_seconds: float  # decode time inside model forwards
-    decode_forwards: int  # per sequence: a batched forward counts once per row it serves
-
-
-Method = Callable[[list[list[int]], int], Run]  # (prompt ids, max_new_tokens) -> Run
-
-
-def project_method(model, eos: list[int], pad: int, **config) -> Method:
-    def run(prompts: list[list[int]], max_new_tokens: int) -> Run:
-        out = decode(model, prompts, DecodeConfig(max_new_tokens=max_new_tokens, **config), eos_token_id=eos,
-                     pad_token_id=pad)
-        s = out.stats
-        return Run(out.sequences, s.prefill_seconds, s.decode_seconds, s.forward_seconds, s.decode_forwards)
-
-    return run
-
-
-def hf_method(model, eos: list[int], pad: int, **generate_kwargs) -> Method:
-    """HF `generate`, its forwards timed by hooks: the first model call is the prefill (for prompt lookup it
-    also verifies the first draft); every later call is a decode forward."""
-    sync = device_sync(next(model.parameters()).device)
-
-    def run(prompts: list[list[int]], max_new_tokens: int) -> Run:
-        starts: list[float] = []
-        ends: list[float] = []
-
-        def before(*_) -> None:  # hooks must return None, or they replace the inputs / outputs
-            sync()
-            starts.append(time.perf_counter())
-
-        def after(*_) -> None:
-            sync()
-            ends.append(time.perf_counter())
-
-        hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
-        start = time.perf_counter()
-        try:
-            sequences = hf_generate(model, prompts, max_new_tokens, eos, pad, **generate_kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        end = time.perf_counter()
-        forward = sum(b - a for a, b in zip(starts[1:], ends[1:]))
-        return Run(sequences, ends[0] - start, end - ends[0], forward, (len(ends) - 1) * len(prompts))
-
-    return run
 
 
 def build_methods(model, eos: list[int], pad: int, s: BenchSettings) -> dict[str, Method]:

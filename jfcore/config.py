@@ -69,6 +69,18 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def load_recipe(path: str | Path, sections: Mapping[str, type], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A recipe file of named sections, each built into its config class (absent ones get the defaults)."""
+    recipe = load_file(path)
+    unknown = sorted(set(recipe) - set(sections))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; use {', '.join(sections)}")
+    missing = [name for name in required if name not in recipe]
+    if missing:
+        raise ConfigError(f"{path}: the {', '.join(missing)} section is required")
+    return {name: from_dict(cls, recipe.get(name) or {}, name) for name, cls in sections.items()}
+
+
 def replace(config: T, **changes: Any) -> T:
     """A copy of ``config`` with ``changes`` applied and validated like a fresh load."""
     return from_dict(type(config), {**to_dict(config), **changes})
@@ -104,7 +116,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
+        key_type, item = args if args else (Any, Any)
+        return {_coerce(key_type, k, where): _coerce(item, v, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

@@ -186,7 +186,7 @@ def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
 def load_tokenizer(config: ModelConfig, checkpoint: str | None = None) -> PreTrainedTokenizerBase:
     """The model's tokenizer, prepared for batched decoding: a pad token (eos if none) and left padding."""
     checkpoint = checkpoint or resolve_checkpoint(config)
-    with _hub_errors(checkpoint):
+    with _hub_errors(checkpoint), _tokenizer_errors(checkpoint):
         tokenizer = AutoTokenizer.from_pretrained(
             checkpoint, trust_remote_code=config.trust_remote_code, **_hub_args(config, checkpoint)
         )
@@ -194,6 +194,27 @@ def load_tokenizer(config: ModelConfig, checkpoint: str | None = None) -> PreTra
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+# Any of these makes a folder a tokenizer AutoTokenizer can try to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+@contextlib.contextmanager
+def _tokenizer_errors(checkpoint: str):
+    """A local checkpoint without a (working) tokenizer gets an error that says how to give it one."""
+    folder = Path(checkpoint)
+    advice = (f"copy the tokenizer files of the model it was trained from into it, or run "
+              f"tokenizer.save_pretrained('{checkpoint}')")  # fmt: skip
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"checkpoint {checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                             + advice)  # fmt: skip
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as err:
+        if not folder.is_dir():
+            raise
+        raise ModelLoadError(f"checkpoint {checkpoint}: its tokenizer does not load ({err}); {advice}") from err
 
 
 def _hub_args(config: ModelConfig, checkpoint: str) -> dict:

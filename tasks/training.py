@@ -24,7 +24,7 @@ import torch
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, load_file, replace, to_dict
+from jfcore.config import ConfigError, check, from_dict, load_recipe, replace, to_dict
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError, packing_stats
@@ -210,13 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="YAML or JSON with sections train, launch, tracking")
     args = parser.parse_args(argv)
     try:
-        recipe = load_file(args.config)
-        unknown = sorted(set(recipe) - set(SECTIONS))
-        if unknown:
-            raise ConfigError(f"{args.config}: unknown section(s) {', '.join(unknown)}; use {', '.join(SECTIONS)}")
-        if "train" not in recipe:
-            raise ConfigError(f"{args.config}: the train section is required")
-        configs = {name: from_dict(cls, recipe.get(name) or {}, name) for name, cls in SECTIONS.items()}
+        configs = load_recipe(args.config, SECTIONS, required=("train",))
         result = run_training(configs["train"], configs["launch"], configs["tracking"])
     except (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed) as err:
         sys.exit(f"error: {err}")

@@ -11,48 +11,19 @@ shard redone; a killed run loses only the shards in flight.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from jfcore.config import check, from_dict
+from jfcore.config import from_dict
 from jfcore.models import ModelConfig, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint
 from jfcore.prompts import PromptSource, encode_prompts
-from jfcore.shards import (
-    ShardSpec,
-    completed_shards,
-    plan_shards,
-    read_manifest,
-    record_shard,
-    remove_stale_temporaries,
-    run_key,
-    write_manifest,
-    write_shard,
-)
+from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
 
-# Offline and quiet: Ray must not phone home, and 2.60 turns token auth on by default.
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import ray  # noqa: E402  (after the environment above)
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster
-    num_workers: int = 1  # model replicas
-    cpus_per_worker: int = 1
-    gpus_per_worker: float = 0.0  # 1 per replica on GPU machines
-    object_store_mb: int = 256  # local Ray only
-
-    def __post_init__(self) -> None:
-        check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
-        check(self.cpus_per_worker >= 1, f"cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
-        check(self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
 
 
 class TrajectoryWorker:
@@ -94,29 +65,12 @@ def generate_trajectories(
         raise ValueError(f"no usable prompts in {prompts.path} ({prompt_set.skipped_too_long} longer than the budget)")
     log(f"{len(prompt_set.ids)} prompts ({prompt_set.skipped_too_long} skipped: over {prompts.max_prompt_tokens} tokens)")
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        local = {"num_cpus": ray_config.num_workers * ray_config.cpus_per_worker, "include_dashboard": False,
-                 "object_store_memory": ray_config.object_store_mb << 20} if ray_config.address is None else {}
-        ray.init(address=ray_config.address, log_to_driver=False, **local)
-    try:
+    with ray_session(ray_config):
         return _run(model, prompt_set, tokenizer, trajectory, ray_config, Path(out_dir), prompts_per_shard, log)
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 def _run(model, prompt_set, tokenizer, trajectory, ray_config, out_dir, prompts_per_shard, log) -> Path:
-    actor = ray.remote(TrajectoryWorker).options(
-        num_cpus=ray_config.cpus_per_worker,
-        num_gpus=ray_config.gpus_per_worker,
-        max_restarts=2,  # a killed worker comes back ...
-        max_task_retries=2,  # ... and redoes the shard it held
-    )
-    workers = [
-        actor.remote(asdict(model), asdict(trajectory), ray_config.cpus_per_worker)
-        for _ in range(ray_config.num_workers)
-    ]
+    workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
     model_fp, tokenizer_fp = ray.get(workers[0].fingerprints.remote())
     log(f"{len(workers)} workers ready (pids {ray.get([w.pid.remote() for w in workers])})")
     if tokenizer_fp != tokenizer_fingerprint(tokenizer):
@@ -131,27 +85,12 @@ def _run(model, prompt_set, tokenizer, trajectory, ray_config, out_dir, prompts_
     }
     folder = out_dir / run_key(**{k: v for k, v in settings.items() if k != "model"})
     specs = plan_shards(len(prompt_set.ids), prompts_per_shard)
-    remove_stale_temporaries(folder)
-    done = completed_shards(folder, specs)
-    todo = [s for s in specs if s.name not in done]
-    log(f"run folder {folder}: {len(done)}/{len(specs)} shards already complete, {len(todo)} to generate")
 
-    start = time.perf_counter()
-    pending = {
-        workers[i % len(workers)].run.remote(
-            spec, prompt_set.ids[spec.start : spec.stop], prompt_set.token_ids[spec.start : spec.stop], str(folder)
-        ): spec
-        for i, spec in enumerate(todo)
-    }
-    finished = len(done)
-    while pending:
-        [ref], _ = ray.wait(list(pending), num_returns=1)
-        pending.pop(ref)
-        record = ray.get(ref)
-        record_shard(folder, record, settings)
-        finished += 1
-        elapsed = time.perf_counter() - start
-        log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows ({elapsed:.0f} s)")
+    def submit(worker, spec: ShardSpec):
+        ids, token_ids = prompt_set.ids[spec.start : spec.stop], prompt_set.token_ids[spec.start : spec.stop]
+        return worker.run.remote(spec, ids, token_ids, str(folder))
+
+    fill_shards(folder, specs, workers, submit, settings, log)
     manifest = read_manifest(folder)
     manifest |= {"settings": settings, "complete": True, "num_prompts": len(prompt_set.ids),
                  "skipped_too_long": prompt_set.skipped_too_long}

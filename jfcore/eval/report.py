@@ -1,0 +1,102 @@
+"""From sample rows to the results table: one row per (benchmark, model, method), plus "all" benchmarks.
+
+| column | meaning |
+|---|---|
+| samples | problems decoded |
+| accuracy | share of completions scored correct (pass@1 for code: greedy, one sample) |
+| tpf | mean over samples of new tokens / decode forwards (the prefill forward is not counted) |
+| tps | new tokens / wall seconds of the decode calls, prefill included (end-to-end) |
+| decode_tps | new tokens / wall seconds after the prefill |
+| speedup | tps / tps of the baseline model's HF greedy on the same benchmark, measured side by side |
+| exact | share of samples whose tokens equal the same model's HF greedy tokens |
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from statistics import mean
+
+from jfcore.eval.config import REFERENCE
+
+ALL = "all"  # the benchmark label of the rows that pool every benchmark
+COLUMNS = ("benchmark", "model", "method", "samples", "accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
+
+
+def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
+    """The results table rows, in the order benchmarks, models and methods first appear in `samples`."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for row in samples:
+        for benchmark in (row["benchmark"], ALL):
+            groups.setdefault((benchmark, row["model"], row["method"]), []).append(row)
+    if len({row["benchmark"] for row in samples}) == 1:  # "all" would repeat the one benchmark
+        groups = {key: rows for key, rows in groups.items() if key[0] != ALL}
+    table = []
+    for (benchmark, model, method), rows in sorted(groups.items(), key=lambda kv: kv[0][0] == ALL):
+        tokens = sum(r["new_tokens"] for r in rows)
+        decode_seconds = sum(r["decode_seconds"] for r in rows)
+        seconds = sum(r["prefill_seconds"] for r in rows) + decode_seconds
+        table.append({
+            "benchmark": benchmark, "model": model, "method": method, "samples": len(rows),
+            "accuracy": mean(r["correct"] for r in rows),
+            "tpf": mean(r["tpf"] for r in rows),
+            "tps": tokens / seconds if seconds > 0 else 0.0,
+            "decode_tps": tokens / decode_seconds if decode_seconds > 0 else 0.0,
+            "exact": mean(r["exact"] for r in rows),
+            "new_tokens": tokens, "seconds": seconds,
+        })  # fmt: skip
+    reference = {row["benchmark"]: row["tps"] for row in table if row["model"] == baseline and row["method"] == REFERENCE}
+    for row in table:
+        base = reference.get(row["benchmark"], 0.0)
+        row["speedup"] = row["tps"] / base if base > 0 else None
+    return table
+
+
+def all_exact(samples: Iterable[dict]) -> tuple[int, int]:
+    """(samples equal to their model's HF greedy output, samples) over the non-reference methods."""
+    checked = [row["exact"] for row in samples if row["method"] != REFERENCE]
+    return sum(checked), len(checked)
+
+
+def markdown_table(table: Sequence[dict], samples: Sequence[dict]) -> str:
+    """The table as Markdown, with a closing line on exactness against greedy decoding."""
+
+    lines = ["| benchmark | model | method | samples | accuracy | TPF | TPS | decode TPS | speedup | = AR |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in table:
+        lines.append(
+            f"| {r['benchmark']} | {r['model']} | {r['method']} | {r['samples']} | {r['accuracy']:.1%} "
+            f"| {r['tpf']:.2f} | {r['tps']:.1f} | {r['decode_tps']:.1f} | {'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} "
+            f"| {r['exact']:.0%} |"
+        )
+    equal, total = all_exact(samples)
+    verdict = "every one" if equal == total else f"NOT all: {total - equal} differ"
+    lines += ["", f"Parallel decoding vs HF greedy of the same model: {equal}/{total} outputs identical ({verdict})."]
+    return "\n".join(lines)
+
+
+# What `write_report` puts in its folder.
+REPORT_FILES = ("results.md", "results.json", "results.parquet", "samples.parquet",
+                "plots/speedup_vs_accuracy.png", "plots/tpf_distribution.png")  # fmt: skip
+
+
+def write_report(folder: Path, samples: Sequence[dict], baseline: str) -> dict:
+    """Table (Markdown, JSON, Parquet), every sample (Parquet) and the plots, in `folder`; returns the table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jfcore.eval import plots
+
+    table = summarize(samples, baseline)
+    markdown = markdown_table(table, samples)
+    equal, total = all_exact(samples)
+    (folder / "plots").mkdir(parents=True, exist_ok=True)
+    (folder / "results.md").write_text(markdown + "\n")
+    summary = {"baseline": baseline, "exact": {"equal": equal, "checked": total}, "table": table}
+    (folder / "results.json").write_text(json.dumps(summary, indent=1))
+    pq.write_table(pa.Table.from_pylist(table), folder / "results.parquet")
+    pq.write_table(pa.Table.from_pylist(list(samples)), folder / "samples.parquet")
+    plots.speedup_vs_accuracy(table, folder / "plots" / "speedup_vs_accuracy.png")
+    plots.tpf_distribution(samples, folder / "plots" / "tpf_distribution.png")
+    return summary | {"markdown": markdown}

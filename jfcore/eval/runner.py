@@ -1,0 +1,121 @@
+"""Decoding and scoring benchmark problems with every model and method, side by side.
+
+For each problem, every (model, method) pair decodes the same chat prompt back
+to back, the order rotated from problem to problem, so a host slowing down or
+speeding up hits every pair alike. Each completion is then scored, and each
+method's tokens are compared with the same model's HF greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from jfcore.chat import encode_chat
+from jfcore.decoding import special_tokens
+from jfcore.decoding.reference import first_divergence
+from jfcore.eval.benchmarks import Problem
+from jfcore.eval.config import REFERENCE, DecodingSettings, EvalModel
+from jfcore.eval.methods import Method, hf_method, project_method
+from jfcore.models import load_model, model_fingerprint, tokenizer_fingerprint
+
+# One row per (problem, model, method).
+SAMPLE_SCHEMA = pa.schema([
+    ("benchmark", pa.string()),
+    ("problem_id", pa.string()),
+    ("model", pa.string()),
+    ("method", pa.string()),
+    ("prompt_tokens", pa.int32()),
+    ("new_tokens", pa.int32()),
+    ("decode_forwards", pa.int32()),
+    ("prefill_seconds", pa.float64()),
+    ("decode_seconds", pa.float64()),
+    ("forward_seconds", pa.float64()),
+    ("tpf", pa.float64()),
+    ("tokens", pa.list_(pa.int32())),
+    ("completion", pa.string()),
+    ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
+    ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
+    ("correct", pa.bool_()),
+    ("detail", pa.string()),  # why a completion scored as it did ("passed", "failed: ...", "wrong answer")
+])  # fmt: skip
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    methods: dict[str, Method]
+
+
+def load_models(models: dict[str, EvalModel], settings: DecodingSettings) -> dict[str, LoadedModel]:
+    loaded = {}
+    for label, entry in models.items():
+        model, tokenizer = load_model(entry.model)
+        eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
+        methods = {
+            name: hf_method(model, eos, pad) if name == REFERENCE
+            else project_method(model, eos, pad, **settings.decode_config(name))
+            for name in settings.methods
+        }  # fmt: skip
+        loaded[label] = LoadedModel(model, tokenizer, methods)
+    return loaded
+
+
+def fingerprints(models: dict[str, LoadedModel]) -> dict[str, dict[str, str]]:
+    return {label: {"model": model_fingerprint(m.model), "tokenizer": tokenizer_fingerprint(m.tokenizer)}
+            for label, m in models.items()}  # fmt: skip
+
+
+class Evaluator:
+    """Holds the loaded models; turns problems into scored sample rows."""
+
+    def __init__(self, models: dict[str, LoadedModel], settings: DecodingSettings):
+        self.models = models
+        self.settings = settings
+        self.pairs = [(label, method) for label in models for method in settings.methods]
+        self.warm = settings.warmup_tokens == 0
+
+    def run(self, problems: Sequence[Problem], offset: int = 0) -> list[dict]:
+        """Sample rows for `problems`; `offset` (their index in the whole run) sets the rotation of the order."""
+        if not self.warm and problems:
+            self._warm_up(problems[0])
+        rows = []
+        for i, problem in enumerate(problems):
+            turn = (offset + i) % len(self.pairs)
+            order = self.pairs[turn:] + self.pairs[:turn]
+            prompts = {label: encode_chat(m.tokenizer, problem.prompt) for label, m in self.models.items()}
+            runs = {(label, method): self.models[label].methods[method]([prompts[label]], self.settings.max_new_tokens)
+                    for label, method in order}  # fmt: skip
+            rows += self._rows(problem, prompts, runs)
+        return rows
+
+    def _warm_up(self, problem: Problem) -> None:
+        # One-off costs (allocator growth, lazy initialisation) stay out of the timings.
+        for label, method in self.pairs:
+            model = self.models[label]
+            model.methods[method]([encode_chat(model.tokenizer, problem.prompt)], self.settings.warmup_tokens)
+        self.warm = True
+
+    def _rows(self, problem: Problem, prompts: dict, runs: dict) -> list[dict]:
+        scores: dict[str, tuple[bool, str]] = {}  # identical completions are scored once
+        rows = []
+        for label, method in self.pairs:
+            run, tokenizer = runs[label, method], self.models[label].tokenizer
+            tokens, reference = run.sequences[0], runs[label, REFERENCE].sequences[0]
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if text not in scores:
+                scores[text] = problem.score(text)
+            correct, detail = scores[text]
+            rows.append({
+                "benchmark": problem.benchmark, "problem_id": problem.id, "model": label, "method": method,
+                "prompt_tokens": len(prompts[label]), "new_tokens": len(tokens),
+                "decode_forwards": run.decode_forwards, "prefill_seconds": run.prefill_seconds,
+                "decode_seconds": run.decode_seconds, "forward_seconds": run.forward_seconds,
+                "tpf": len(tokens) / max(run.decode_forwards, 1), "tokens": tokens, "completion": text,
+                "exact": tokens == reference, "first_divergence": first_divergence(tokens, reference),
+                "correct": correct, "detail": detail[:500],
+            })  # fmt: skip
+        return rows

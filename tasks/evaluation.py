@@ -1,0 +1,222 @@
+"""The evaluation stage: benchmark problems spread over Ray workers, a results table, plots, MLflow.
+
+Every worker loads all the models being compared, so each problem is decoded
+by every (model, method) pair side by side on the same hardware. Problems go
+out in shards; each finished shard of sample rows is written to Parquet and
+listed in the run folder's manifest, so a killed evaluation resumes where it
+stopped. The run folder is named by the model fingerprints, the problems and
+the decoding settings: a changed input never reuses stale samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import get_run_logger, task
+
+from jfcore.atomic import atomic_write
+from jfcore.config import ConfigError, from_dict, load_recipe, replace, to_dict
+from jfcore.eval.benchmarks import Problem, load_benchmark
+from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.eval.report import ALL, REPORT_FILES, write_report
+from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
+from jfcore.models import ModelConfig, ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
+from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
+from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
+
+REPORT = "report"  # the folder, inside the run folder, that write_report fills
+METRICS = ("accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
+
+
+class EvalWorker:
+    """Holds every model under evaluation; turns a shard of problems into a shard of sample rows."""
+
+    def __init__(self, models: dict, decoding: dict, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        settings = from_dict(DecodingSettings, decoding, "decoding")
+        self.models = load_models({k: from_dict(EvalModel, v, f"models.{k}") for k, v in models.items()}, settings)
+        self.evaluator = Evaluator(self.models, settings)
+
+    def fingerprints(self) -> dict[str, dict[str, str]]:
+        return fingerprints(self.models)
+
+    def run(self, spec: ShardSpec, problems: list[Problem], folder: str):
+        rows = self.evaluator.run(problems, offset=spec.start)
+        return write_shard(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), Path(folder), spec, len(problems))
+
+
+def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, tracking: TrackingConfig | None = None,
+                   log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Evaluate (or finish evaluating) every model on every benchmark; returns the table and where it is."""
+    ray_config, tracking = ray_config or RayConfig(), tracking or TrackingConfig()
+    # Fail in seconds, before Ray starts: unknown benchmark files, missing models or tokenizers.
+    problems = [p for b in config.benchmarks for p in load_benchmark(b, config.data_dir)]
+    tokenizers = {label: tokenizer_fingerprint(load_tokenizer(m.model)) for label, m in config.models.items()}
+    counts = {b.name: sum(p.benchmark == b.name for p in problems) for b in config.benchmarks}
+    log(f"{len(problems)} problems ({', '.join(f'{k} {v}' for k, v in counts.items())}) x models "
+        f"{', '.join(config.models)} x methods {', '.join(config.decoding.methods)}")  # fmt: skip
+
+    # Workers need not share the driver's working folder.
+    models = {label: asdict(m) | {"model": asdict(_absolute(m.model))} for label, m in config.models.items()}
+    with ray_session(ray_config):
+        workers = start_workers(EvalWorker, ray_config, models, asdict(config.decoding))
+        prints = ray.get(workers[0].fingerprints.remote())
+        for label, fp in prints.items():
+            if fp["tokenizer"] != tokenizers[label]:
+                raise ModelLoadError(f"model {label!r}: the workers loaded another tokenizer than the driver; "
+                                     "give an absolute name_or_path that every worker can read")  # fmt: skip
+        settings = {
+            "models": prints,
+            "problems": _digest([(p.benchmark, p.id, p.prompt) for p in problems]),
+            "decoding": asdict(config.decoding),
+            "problems_per_shard": config.problems_per_shard,
+        }  # fmt: skip
+        folder = Path(config.output_dir).resolve() / run_key(**settings)
+        specs = plan_shards(len(problems), config.problems_per_shard)
+
+        def submit(worker, spec: ShardSpec):
+            return worker.run.remote(spec, problems[spec.start : spec.stop], str(folder))
+
+        fill_shards(folder, specs, workers, submit, settings, log)
+
+    samples = [row for spec in specs for row in pq.read_table(folder / spec.name).to_pylist()]
+    report = write_report(folder / REPORT, samples, config.baseline)
+    write_manifest(folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems)})
+    log("\n" + report["markdown"])
+    result = {"folder": str(folder), "report": str(folder / REPORT), "markdown": report["markdown"],
+              "table": report["table"], "exact": report["exact"], "mlflow_run_id": None}  # fmt: skip
+    if tracking.uri:
+        datasets = {b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name]
+                    for b in config.benchmarks}  # fmt: skip
+        result["mlflow_run_id"] = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
+    return result
+
+
+def _digest(items: list) -> str:
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def log_evaluation(tracking: TrackingConfig, folder: Path, config: EvalConfig, ray_config: RayConfig, report: dict,
+                   datasets: dict[str, list], log: Callable[[str], None]) -> str:  # fmt: skip
+    """The stage's MLflow run: params, the benchmarks (name -> their problems) and the evaluated
+    MLflow models as inputs, one metric per table cell, the report folder as artifacts, the table as the
+    run's description; and each model with a `model_uri` gets its rows as metrics of its own."""
+    run_id = stage_run(tracking, folder, {"eval": to_dict(config), "ray": to_dict(ray_config)},
+                       tags={"jacobi_forcing.stage": "evaluate"})  # fmt: skip
+    record = json.loads((folder / RUN_FILE).read_text())
+    mlflow = client(tracking)
+    if record.get("logged"):  # a rerun of a finished evaluation logs nothing twice
+        mlflow.set_terminated(run_id, "FINISHED")
+        return run_id
+    try:
+        _log_results(mlflow, run_id, config, report, datasets, folder / REPORT, log)
+    except BaseException:
+        mlflow.set_terminated(run_id, "FAILED")  # a rerun logs it again, into the same run
+        raise
+    atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record | {"logged": True})))
+    mlflow.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def _log_results(mlflow, run_id: str, config: EvalConfig, report: dict, datasets: dict[str, list], report_dir: Path,
+                 log: Callable[[str], None]) -> None:  # fmt: skip
+    from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, Metric
+
+    now = int(time.time() * 1000)
+    cells = [(row, name) for row in report["table"] for name in METRICS if row[name] is not None]
+    metrics = [Metric(f"{r['benchmark']}/{r['model']}/{r['method']}/{name}", float(r[name]), now, 0)
+               for r, name in cells]  # fmt: skip
+    # Each benchmark's problems as an input dataset (the pooled rows get one of their own), and the models.
+    digests = {name: _digest(items) for name, items in datasets.items()}
+    digests[ALL] = _digest(sorted(digests.values()))
+    inputs = [DatasetInput(Dataset(name, digests[name], "local", f"{len(items)} problems of {name}"),
+                           [InputTag("mlflow.data.context", "evaluation")]) for name, items in datasets.items()]  # fmt: skip
+    model_ids = {label: _model_id(mlflow, m.model_uri) for label, m in config.models.items() if m.model_uri}
+    mlflow.log_inputs(run_id, datasets=inputs, models=[LoggedModelInput(i) for i in model_ids.values()])
+    for label, model_id in model_ids.items():
+        metrics += [Metric(f"{r['benchmark']}/{r['method']}/{name}", float(r[name]), now, 0, model_id=model_id,
+                           dataset_name=r["benchmark"], dataset_digest=digests[r["benchmark"]])
+                    for r, name in cells if r["model"] == label]  # fmt: skip
+        log(f"results of {label!r} logged against MLflow model {config.models[label].model_uri} ({model_id})")
+    for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+        mlflow.log_batch(run_id, metrics=metrics[start : start + 1000])
+    for name in REPORT_FILES:
+        mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path("evaluation", name).parent))
+    mlflow.set_tag(run_id, "mlflow.note.content", report["markdown"])
+
+
+def _absolute(model: ModelConfig) -> ModelConfig:
+    path = Path(model.name_or_path).expanduser()
+    return replace(model, name_or_path=str(path.resolve())) if path.exists() else model
+
+
+def _model_id(mlflow, model_uri: str) -> str:
+    """The MLflow logged-model id behind models:/NAME/VERSION, models:/NAME@ALIAS or models:/m-ID."""
+    ref = model_uri.removeprefix("models:/")
+    if ref == model_uri:
+        raise ConfigError(f"model_uri {model_uri!r}: use models:/NAME/VERSION, models:/NAME@ALIAS or models:/MODEL_ID")
+    if "@" not in ref and "/" not in ref:
+        return ref
+    version = mlflow.get_model_version_by_alias(*ref.split("@", 1)) if "@" in ref else mlflow.get_model_version(
+        *ref.split("/", 1))  # fmt: skip
+    # MLflow 3 registers a logged model with source models:/<model id>; some servers leave model_id empty.
+    model_id = version.model_id or (version.source.removeprefix("models:/") if version.source.startswith("models:/") else None)
+    if not model_id:
+        raise ConfigError(f"model_uri {model_uri!r}: this version was not logged as an MLflow model "
+                          f"(source {version.source}); give the model's own URI, models:/<model id>")  # fmt: skip
+    return model_id
+
+
+def _bad_input(task, task_run, state) -> bool:
+    """Retry what a rerun can fix (a lost worker, a server hiccup), not a bad recipe."""
+    try:
+        state.result()
+    except (ConfigError, ModelLoadError, FileNotFoundError):
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_bad_input)
+def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | None = None) -> dict:
+    """Prefect task over `run_evaluation`; the table also becomes a Markdown artifact of the flow run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    result = run_evaluation(from_dict(EvalConfig, evaluation, "eval"), from_dict(RayConfig, ray or {}, "ray"),
+                            from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
+    create_markdown_artifact(result["markdown"], key="evaluation-results", description="Evaluation results")
+    return {k: v for k, v in result.items() if k != "table"}
+
+
+SECTIONS = {"eval": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """jf-eval --config RECIPE: run (or resume) the evaluation stage alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.")
+    parser.add_argument("--config", required=True, help="YAML or JSON with sections eval, ray, tracking")
+    args = parser.parse_args(argv)
+    try:
+        configs = load_recipe(args.config, SECTIONS, required=("eval",))
+        result = run_evaluation(configs["eval"], configs["ray"], configs["tracking"])
+    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    print(f"\nreport: {result['report']}" + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The evaluation stage on the embedded SmolLM2, through a Prefect flow: one problem of each benchmark,
+every method, and every parallel-decoded output equal to greedy decoding (float32)."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+from prefect import flow
+from prefect.artifacts import Artifact
+
+from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
+from tasks.evaluation import evaluate_task
+
+pytestmark = pytest.mark.slow
+
+NAMES = ("humaneval", "mbpp", "gsm8k", "math500")
+
+
+def test_smollm2_evaluation_is_lossless_and_reported(tmp_path):
+    evaluation = {
+        "output_dir": str(tmp_path),
+        "models": {"base": {"model": {"name_or_path": "smollm2-135m-instruct"}}},
+        "benchmarks": [{"name": name, "limit": 1, "seed": 3} for name in NAMES],
+        "decoding": {"max_new_tokens": 40, "block_size": 16, "warmup_tokens": 8},
+    }
+
+    @flow(name="evaluate-smollm2")
+    def evaluate_flow() -> dict:
+        return evaluate_task(evaluation, ray={"num_workers": 1, "cpus_per_worker": 2})
+
+    result = evaluate_flow()
+    assert result["exact"] == {"equal": 8, "checked": 8}
+    samples = pq.read_table(f"{result['report']}/samples.parquet").to_pylist()
+    expected_ids = {load_benchmark(BenchmarkConfig(name, limit=1, seed=3))[0].id for name in NAMES}
+    assert {s["problem_id"] for s in samples} == expected_ids and len(samples) == 12
+    assert all(s["exact"] and 0 < s["new_tokens"] <= 40 for s in samples)
+    greedy = {s["problem_id"]: s["tokens"] for s in samples if s["method"] == "hf_greedy"}
+    assert all(s["tokens"] == greedy[s["problem_id"]] for s in samples)
+    artifact = Artifact.get("evaluation-results")
+    assert artifact is not None and artifact.data == result["markdown"]
