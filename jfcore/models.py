@@ -256,3 +256,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         "chat_template": tokenizer.chat_template,
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def source_fingerprint(config: ModelConfig) -> str:
+    """Short digest of where the weights come from, without loading them: a local checkpoint's file names,
+    sizes and modification times, or a hub id and revision. Cheap enough for cache keys of 7B models."""
+    checkpoint = resolve_checkpoint(config)
+    path = Path(checkpoint)
+    if not path.is_dir():
+        return hashlib.sha256(f"hub|{checkpoint}|{config.revision}".encode()).hexdigest()[:16]
+    files = sorted((p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in path.rglob("*") if p.is_file())  # fmt: skip
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]

@@ -197,7 +197,7 @@ def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | No
     result = run_evaluation(from_dict(EvalConfig, evaluation, "eval"), from_dict(RayConfig, ray or {}, "ray"),
                             from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
     create_markdown_artifact(result["markdown"], key="evaluation-results", description="Evaluation results")
-    return {k: v for k, v in result.items() if k != "table"}
+    return result
 
 
 SECTIONS = {"eval": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}

@@ -16,7 +16,7 @@ from jfcore.shards import ShardSpec, completed_shards, record_shard, remove_stal
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402  (after the environment above)
+import ray
 
 
 @dataclass(frozen=True)

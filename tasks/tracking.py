@@ -129,3 +129,27 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
     record = json.loads((folder / RUN_FILE).read_text()) | {"model": model}
     atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record)))  # a rerun logs no second copy
     return model
+
+
+def record_stage(config: TrackingConfig, stage: str, params: dict, metrics: dict, artifacts: list[Path]) -> str:
+    """A finished MLflow run for a stage that keeps no run of its own (the data stages): its settings,
+    figures and files, nested under `config.parent_run_id`."""
+    import math
+    import time
+
+    from mlflow.entities import Metric, Param
+
+    mlflow = client(config)
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.experiment)
+    tags = {"jacobi_forcing.stage": stage} | ({"mlflow.parentRunId": config.parent_run_id} if config.parent_run_id else {})
+    run_id = mlflow.create_run(experiment_id, run_name=stage, tags=tags).info.run_id
+    now = int(time.time() * 1000)
+    items = [Param(k, v) for k, v in flat_params(params).items()]
+    values = [Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(float(v))]
+    for start in range(0, max(len(items), 1), 100):
+        mlflow.log_batch(run_id, metrics=values if start == 0 else (), params=items[start : start + 100])
+    for path in artifacts:
+        mlflow.log_artifact(run_id, str(path), artifact_path=stage)
+    mlflow.set_terminated(run_id, "FINISHED")
+    return run_id

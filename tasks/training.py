@@ -36,6 +36,7 @@ from jfcore.training.loop import (
     complete_checkpoints,
     deepspeed_config,
 )
+from tasks.launch_guard import GRACE_S
 from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
@@ -138,19 +139,25 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
         "TORCH_EXTENSIONS_DIR",
         str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+    command = [sys.executable, "-m", "tasks.launch_guard",  # ends the job if this process dies
+               sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", "tasks.train_worker", str(launch_file)]  # fmt: skip
     for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
         stale.unlink()
-    log(f"launching {processes} training process(es): {' '.join(command[2:])}")
+    log(f"launching {processes} training process(es): {' '.join(command[5:])}")
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # fmt: skip
 
-    def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    def kill() -> None:  # the guard stops torchrun, which stops the ranks; SIGKILL if that hangs
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=GRACE_S + 10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
 
     timer = threading.Timer(launch.timeout_s, kill) if launch.timeout_s else None
     try:

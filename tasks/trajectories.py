@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -22,7 +22,6 @@ from jfcore.models import ModelConfig, load_model, load_tokenizer, model_fingerp
 from jfcore.prompts import PromptSource, encode_prompts
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
-
 from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
 
 

@@ -1,0 +1,184 @@
+"""The `jacobi-forcing` flow: base model -> trajectories -> packing -> distillation -> evaluation -> registry.
+
+Each stage is a Prefect task whose output folder is named by its inputs, so a
+rerun finishes what a killed run left. On top of that, the data stages carry
+Prefect cache keys over their inputs and the model's fingerprint: an unchanged
+stage is not run again (the log says `Cached`), and a flow run killed during
+training resumes from the newest checkpoint when it is run again.
+MLflow gets one parent run per flow run, with the stages' runs nested in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import flow, get_run_logger, runtime, task
+from prefect.artifacts import create_markdown_artifact
+
+from flows.recipe import STAGES, Recipe, load_recipe
+from jfcore.config import ConfigError, replace, to_dict
+from jfcore.models import ModelLoadError, resolve_checkpoint, source_fingerprint
+from jfcore.shards import MANIFEST, run_key
+from tasks.evaluation import evaluate_task
+from tasks.packing import pack_trajectories_task
+from tasks.registry import register_task
+from tasks.tracking import TrackingConfig, client, flat_params, record_stage
+from tasks.training import train_task
+from tasks.trajectories import generate_trajectories_task
+
+DEFAULT_RECIPE = "configs/pipeline_smollm2_cpu.yaml"
+
+
+def _cached(stage, resume: bool, *anchors: str):
+    """`stage` with a Prefect cache key over its inputs and what they name but do not show (model weights,
+    a prompt file's content): an unchanged stage is a cache hit, a changed anchor a miss."""
+
+    def key(context, parameters: dict) -> str:
+        # Where results are logged is not what they are: a new flow run's parent MLflow run still hits.
+        values = {k: v for k, v in parameters.items() if k != "tracking"}
+        return run_key(task=context.task.name, anchors=anchors, parameters=values)
+
+    return stage.with_options(cache_key_fn=key, persist_result=True, refresh_cache=not resume)
+
+
+def _stamp(path: str) -> str:
+    """Size and modification time of a local file or folder's files; the path itself otherwise."""
+    files = [Path(path)] if Path(path).is_file() else sorted(p for p in Path(path).rglob("*") if p.is_file())
+    return run_key(path=path, files=[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
+@task(name="resolve-model")
+def resolve_model_task(model: dict) -> str:
+    """The model's source fingerprint (converting a GGUF preset once): the cache keys' anchor."""
+    from jfcore.config import from_dict
+    from jfcore.models import ModelConfig
+
+    return source_fingerprint(from_dict(ModelConfig, model, "model"))
+
+
+@flow(name="jacobi-forcing", log_prints=True)
+def jacobi_forcing(recipe: str | dict = DEFAULT_RECIPE, stages: list[str] | None = None, resume: bool = True) -> dict:
+    """Run the pipeline a recipe describes.
+
+    recipe: a YAML/JSON path (relative to the working folder) or the recipe's values.
+    stages: which stages to run (default: all, in order); a skipped stage's output must already exist.
+    resume: reuse cached stages and training checkpoints; false recomputes everything.
+    """
+    log = get_run_logger()
+    config = load_recipe(recipe)  # a malformed recipe fails here, before any stage
+    chosen = list(stages or STAGES)
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"stages: unknown {unknown}; choose from {list(STAGES)}")
+    try:  # a missing model fails here too, before any stage (a preset is converted once)
+        resolve_checkpoint(config.model)
+    except ModelLoadError as err:
+        raise ConfigError(f"recipe model.name_or_path: {err}") from err
+    parent = _parent_run(config, chosen)
+    tracking = replace(config.tracking, parent_run_id=parent) if parent else config.tracking
+    try:
+        result = _run_stages(config, chosen, resume, tracking, log)
+    except BaseException:
+        if parent:
+            client(config.tracking).set_terminated(parent, "FAILED")
+        raise
+    if parent:
+        mlflow = client(config.tracking)
+        if "evaluation" in result:
+            mlflow.set_tag(parent, "mlflow.note.content", result["evaluation"]["markdown"])
+        mlflow.set_terminated(parent, "FINISHED")
+    return result
+
+
+def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: TrackingConfig, log) -> dict:
+    base = resolve_model_task(asdict(config.model))
+    log.info(f"model {config.model.name_or_path}: fingerprint {base}")
+    result: dict = {"model_fingerprint": base}
+
+    trajectories = _existing(config.path("trajectories"), "trajectories", chosen)
+    if "trajectories" in chosen:
+        trajectories = _cached(generate_trajectories_task, resume, base, _stamp(config.prompts.path))(
+            asdict(config.model), asdict(config.prompts), asdict(config.trajectory), asdict(config.ray),
+            str(config.path("trajectories")), config.prompts_per_shard,
+        )  # fmt: skip
+    result["trajectories"] = trajectories
+
+    packed = str(config.path("packed"))
+    if "packing" in chosen:
+        result["packing"] = _cached(pack_trajectories_task, resume, base)(trajectories, packed, asdict(config.packing))
+    if tracking.uri:
+        _record_data_stages(config, chosen, tracking, trajectories, packed)
+    train = to_dict(replace(config.train_config(packed), resume=resume))
+    final = str(Path(train["output_dir"]) / "final")
+    if "train" in chosen:  # a finished training is a cache hit; a killed one resumes from its checkpoint
+        result["train"] = _cached(train_task, resume, base, _stamp(packed))(train, to_dict(config.launch),
+                                                                             to_dict(tracking))  # fmt: skip
+    elif not Path(final).is_dir():
+        raise ConfigError(f"stage 'train' skipped, but there is no trained model at {final}; include 'train'")
+    logged = (result.get("train") or {}).get("model") or {}
+
+    if "evaluate" in chosen:
+        trained = resolve_model_task(asdict(config.eval_config(final).models["trained"].model))
+        evaluation = to_dict(config.eval_config(final, logged.get("model_uri")))
+        result["evaluation"] = _cached(evaluate_task, resume, base, trained)(
+            evaluation, asdict(config.ray), to_dict(tracking)
+        )
+        create_markdown_artifact(result["evaluation"]["markdown"], key="jacobi-forcing-results",
+                                 description=f"Evaluation of {config.model.name_or_path} and its distilled model")  # fmt: skip
+    if "register" in chosen and "evaluation" in result and tracking.uri and tracking.registered_model:
+        if logged.get("version") is None:
+            log.warning("stage 'register' skipped: the training stage registered no model version this run")
+        else:
+            result["registry"] = register_task(to_dict(tracking), str(logged["version"]),
+                                               result["evaluation"]["table"], asdict(config.gate))  # fmt: skip
+    return result
+
+
+def _record_data_stages(config: Recipe, chosen: list[str], tracking: TrackingConfig, trajectories: str,
+                        packed: str) -> None:  # fmt: skip
+    """The data stages' settings, figures and manifests as runs nested under the flow's run."""
+    import json
+
+    if "trajectories" in chosen:
+        manifest = json.loads((Path(trajectories) / MANIFEST).read_text())
+        rows = sum(shard["rows"] for shard in manifest["shards"].values())
+        record_stage(tracking, "trajectories", {"model": asdict(config.model), "prompts": asdict(config.prompts),
+                     "trajectory": asdict(config.trajectory), "ray": asdict(config.ray), "folder": trajectories},
+                     {"prompts": manifest["num_prompts"], "skipped_too_long": manifest["skipped_too_long"],
+                      "shards": len(manifest["shards"]), "blocks": rows}, [Path(trajectories) / MANIFEST])  # fmt: skip
+    if "packing" in chosen:
+        stats = json.loads((Path(packed) / "stats.json").read_text())
+        figures = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        record_stage(tracking, "packing", {"packing": asdict(config.packing), "trajectories": trajectories},
+                     figures, [Path(packed) / "stats.json"])  # fmt: skip
+
+
+def _existing(folder: Path, stage: str, chosen: list[str]) -> str:
+    """A skipped data stage's newest finished output."""
+    import json
+
+    if stage in chosen:
+        return ""
+    done = [p.parent for p in folder.glob("*/manifest.json") if json.loads(p.read_text()).get("complete")]
+    if not done:
+        raise ConfigError(f"stage {stage!r} skipped, but {folder} holds no finished run; include {stage!r}")
+    return str(max(done, key=lambda p: p.stat().st_mtime))
+
+
+def _parent_run(config: Recipe, chosen: list[str]) -> str | None:
+    """One MLflow run per flow run; the stages' runs nest under it."""
+    if not config.tracking.uri:
+        return None
+    mlflow = client(config.tracking)
+    experiment = mlflow.get_experiment_by_name(config.tracking.experiment)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.tracking.experiment)
+    name = f"{runtime.flow_run.name or 'jacobi-forcing'}"
+    run = mlflow.create_run(experiment_id, run_name=name, tags={
+        "jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""), "jacobi_forcing.stages": ",".join(chosen)})  # fmt: skip
+    from mlflow.entities import Param
+
+    params = [Param(k, v) for k, v in flat_params({"recipe": to_dict(config)}).items()]
+    for start in range(0, len(params), 100):
+        mlflow.log_batch(run.info.run_id, params=params[start : start + 100])
+    return run.info.run_id

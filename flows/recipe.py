@@ -1,0 +1,111 @@
+"""The pipeline recipe: one file that says what every stage does, checked in full before any stage runs.
+
+The flow fills in what links the stages (each stage's input is the previous
+stage's output under `work_dir`), so a recipe names only choices:
+
+    work_dir: runs/smollm2
+    model: {name_or_path: smollm2-135m-instruct}
+    prompts: {path: builtin, limit: 64}
+    trajectory: {block_size: 16, max_new_tokens: 64}
+    packing: {strategy: progressive, window: 8}
+    train: {epochs: 2, learning_rate: 1.0e-4}      # TrainConfig keys but data, output_dir and model
+    launch: {processes: 2, deepspeed_config: zero2}
+    evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
+    tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
+    gate: {max_accuracy_drop: 0.01, min_speedup_gain: 0.0}
+    schedule: {cron: "0 3 * * 0"}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from jfcore.config import ConfigError, check, from_dict, load_file
+from jfcore.eval.benchmarks import BenchmarkConfig
+from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.models import ModelConfig
+from jfcore.packing import PackingConfig
+from jfcore.prompts import PromptSource
+from jfcore.training.config import TrainConfig
+from jfcore.trajectories import TrajectoryConfig
+from tasks.ray_workers import RayConfig
+from tasks.registry import GateConfig
+from tasks.tracking import TrackingConfig
+from tasks.training import LaunchConfig
+
+STAGES = ("trajectories", "packing", "train", "evaluate", "register")
+FLOW_LINKED = ("data", "output_dir", "model")  # train keys the flow sets from the other stages
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    benchmarks: tuple[BenchmarkConfig, ...] = (BenchmarkConfig("gsm8k", limit=20, seed=0),)
+    decoding: DecodingSettings = field(default_factory=DecodingSettings)
+    problems_per_shard: int = 4
+    data_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    cron: str = "0 3 * * 0"  # retraining: Sundays at 03:00
+    timezone: str = "UTC"
+
+    def __post_init__(self) -> None:
+        check(len(self.cron.split()) == 5, f"schedule.cron: {self.cron!r} is not a 5-field cron expression")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    work_dir: str  # every stage writes under it: trajectories/, packed/, train/, eval/
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompts: PromptSource = field(default_factory=PromptSource)
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    prompts_per_shard: int = 64
+    ray: RayConfig = field(default_factory=RayConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig keys but data, output_dir and model
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.work_dir), "work_dir: must not be empty")
+        linked = sorted(set(self.train) & set(FLOW_LINKED))
+        check(not linked, f"train.{linked[0] if linked else ''}: set by the flow from the other stages; "
+                           "remove it (the model is the recipe's `model`)")  # fmt: skip
+        check(self.prompts_per_shard >= 1, f"prompts_per_shard: must be >= 1, got {self.prompts_per_shard}")
+        self.train_config()  # unknown or invalid train keys fail here, at load
+        self.eval_config("trained")
+
+    def path(self, stage: str) -> Path:
+        return Path(self.work_dir).expanduser().resolve() / stage
+
+    def train_config(self, data: str = "-") -> TrainConfig:
+        model = _with(self.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
+        return from_dict(TrainConfig, {**self.train, "data": data, "output_dir": str(self.path("train")),
+                                       "model": model}, "train")  # fmt: skip
+
+    def eval_config(self, trained: str, model_uri: str | None = None) -> EvalConfig:
+        e = self.evaluation
+        trained_model = _with(self.model, name_or_path=trained, gguf_file=None)
+        models = {"base": EvalModel(self.model), "trained": EvalModel(trained_model, model_uri)}
+        return EvalConfig(str(self.path("eval")), models, e.benchmarks, "base", e.decoding, e.problems_per_shard,
+                          e.data_dir)  # fmt: skip
+
+
+def _with(model: ModelConfig, **changes) -> ModelConfig:
+    return replace(model, **changes)
+
+
+def load_recipe(source: str | Path | dict, overrides: dict | None = None) -> Recipe:
+    """A recipe from a YAML/JSON path or plain data, with optional top-level overrides; relative
+    paths in a file resolve against the working folder."""
+    data = dict(load_file(source) if isinstance(source, (str, Path)) else source)
+    data |= overrides or {}
+    if "work_dir" not in data:
+        raise ConfigError("recipe: work_dir is required (the folder every stage writes under)")
+    return from_dict(Recipe, data, "recipe")

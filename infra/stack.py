@@ -1,0 +1,192 @@
+"""The local stack: Prefect server (SQLite), a process work pool and worker, an MLflow server (SQLite +
+an artifact folder), all on 127.0.0.1, telemetry off, state and logs under one folder.
+
+    python infra/stack.py up        # start what is not running, wait until healthy, register the deployments
+    python infra/stack.py status    # what runs, where, and whether it answers
+    python infra/stack.py down      # stop everything (state is kept; `up` again resumes it)
+    python infra/stack.py env       # the environment to talk to the stack, as shell exports
+
+State: $JF_STACK_DIR (default <repo>/.stack): prefect/ (database, results), mlflow/ (database,
+artifacts), logs/<service>.log, pids/<service>.pid. Ports: $JF_PREFECT_PORT (4200), $JF_MLFLOW_PORT (5000).
+Ray needs no service here: each stage starts a local Ray for its run (set `ray.address` in the recipe
+to use a cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the environment this script runs in has prefect and mlflow
+POOL = "jacobi-forcing-local"
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("JF_STACK_DIR", REPO / ".stack")).resolve()
+
+
+def ports() -> tuple[int, int]:
+    return int(os.environ.get("JF_PREFECT_PORT", "4200")), int(os.environ.get("JF_MLFLOW_PORT", "5000"))
+
+
+def environment() -> dict[str, str]:
+    """What every process of the stack (and anything that talks to it) gets: addresses, quiet, offline-safe."""
+    state, (prefect_port, mlflow_port) = state_dir(), ports()
+    return {
+        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state / 'prefect' / 'prefect.db'}",
+        "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "storage"),  # task results: the cache of stages
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "INFO",  # stage progress and cache hits reach the flow run's log
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "JF_CACHE_DIR": os.environ.get("JF_CACHE_DIR", str(REPO / ".cache")),
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # set 0 to let recipes name hub models
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    command: list[str]
+    health: str | None  # URL that answers 200 once the service is up
+
+    def pid_file(self) -> Path:
+        return state_dir() / "pids" / f"{self.name}.pid"
+
+    def log_file(self) -> Path:
+        return state_dir() / "logs" / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file().read_text())
+            os.kill(pid, 0)
+            return pid
+        except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            return None
+
+
+def services() -> list[Service]:
+    state, (prefect_port, mlflow_port) = state_dir(), ports()
+    mlflow = state / "mlflow"
+    return [
+        Service("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                   str(prefect_port)], f"http://127.0.0.1:{prefect_port}/api/health"),
+        Service("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                                  "--workers", "1", "--backend-store-uri", f"sqlite:///{mlflow / 'mlflow.db'}",
+                                  "--artifacts-destination", str(mlflow / "artifacts")],
+                f"http://127.0.0.1:{mlflow_port}/health"),
+        Service("prefect-worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                                   "--name", "local-worker"], None),
+    ]  # fmt: skip
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _start(service: Service, env: dict[str, str], timeout_s: float = 180) -> None:
+    if service.pid():
+        print(f"{service.name}: already running (pid {service.pid()})")
+        return
+    for folder in (service.pid_file().parent, service.log_file().parent, state_dir() / "prefect", state_dir() / "mlflow"):
+        folder.mkdir(parents=True, exist_ok=True)
+    with open(service.log_file(), "a") as log:
+        # Its own session: `down` stops the service and everything it started.
+        proc = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+    service.pid_file().write_text(str(proc.pid))
+    deadline = time.time() + timeout_s
+    while service.health and not _healthy(service.health):
+        if proc.poll() is not None or time.time() > deadline:
+            tail = service.log_file().read_text()[-3000:]
+            raise SystemExit(f"{service.name} did not come up (see {service.log_file()}):\n{tail}")
+        time.sleep(1)
+    print(f"{service.name}: up (pid {proc.pid}, log {service.log_file()})")
+
+
+def _prefect(args: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"prefect {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def up(recipe: str | None) -> None:
+    env = os.environ | environment()
+    server, mlflow, worker = services()
+    _start(server, env)
+    _start(mlflow, env)
+    _prefect(["work-pool", "create", POOL, "--type", "process", "--overwrite"], env)
+    _start(worker, env)
+    command = [sys.executable, str(REPO / "infra" / "deployments.py"), "--pool", POOL]
+    done = subprocess.run(command + (["--recipe", recipe] if recipe else []), env=env, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise SystemExit("registering the deployments failed (see above)")
+    status()
+
+
+def down() -> None:
+    for service in reversed(services()):
+        pid = service.pid()
+        if pid is None:
+            print(f"{service.name}: not running")
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        for _ in range(30):
+            if service.pid() is None:
+                break
+            time.sleep(0.5)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        service.pid_file().unlink(missing_ok=True)
+        print(f"{service.name}: stopped")
+
+
+def status() -> None:
+    prefect_port, mlflow_port = ports()
+    for service in services():
+        pid = service.pid()
+        health = "" if service.health is None else (" healthy" if pid and _healthy(service.health) else " NOT answering")
+        print(f"{service.name:<15} {'pid ' + str(pid) if pid else 'stopped':<12}{health}  log {service.log_file()}")
+    print(f"Prefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument("--recipe", help="recipe the deployments run (default configs/pipeline_smollm2_cpu.yaml)")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        up(args.recipe)
+    elif args.command == "down":
+        down()
+    elif args.command == "status":
+        status()
+    else:
+        print("\n".join(f"export {k}={v}" for k, v in environment().items()))
+
+
+if __name__ == "__main__":
+    main()
