@@ -5,6 +5,7 @@ an artifact folder), all on 127.0.0.1, telemetry off, state and logs under one f
     python infra/stack.py status    # what runs, where, and whether it answers
     python infra/stack.py down      # stop everything (state is kept; `up` again resumes it)
     python infra/stack.py env       # the environment to talk to the stack, as shell exports
+    python infra/stack.py results   # the newest pipeline results table (a Prefect artifact) and the UI addresses
 
 State: $JF_STACK_DIR (default <repo>/.stack): prefect/ (database, results), mlflow/ (database,
 artifacts), logs/<service>.log, pids/<service>.pid. Ports: $JF_PREFECT_PORT (4200), $JF_MLFLOW_PORT (5000).
@@ -173,9 +174,22 @@ def status() -> None:
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
 
 
+def results() -> None:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    prefect_port, mlflow_port = ports()
+    with SyncPrefectClient(api=environment()["PREFECT_API_URL"]) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["jacobi-forcing-results"])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)  # fmt: skip
+    print(found[0].data if found else "no results yet: run `prefect deployment run jacobi-forcing/full`")
+    print(f"\nPrefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument("command", choices=["up", "down", "status", "env", "results"])
     parser.add_argument("--recipe", help="recipe the deployments run (default configs/pipeline_smollm2_cpu.yaml)")
     args = parser.parse_args(argv)
     if args.command == "up":
@@ -184,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         down()
     elif args.command == "status":
         status()
+    elif args.command == "results":
+        results()
     else:
         print("\n".join(f"export {k}={v}" for k, v in environment().items()))
 
