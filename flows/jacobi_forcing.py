@@ -14,7 +14,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
-from prefect.artifacts import create_markdown_artifact
 
 from flows.recipe import STAGES, Recipe, load_recipe
 from jfcore.config import ConfigError, replace, to_dict
@@ -124,8 +123,6 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
         result["evaluation"] = _cached(evaluate_task, resume, base, trained)(
             evaluation, asdict(config.ray), to_dict(tracking)
         )
-        create_markdown_artifact(result["evaluation"]["markdown"], key="jacobi-forcing-results",
-                                 description=f"Evaluation of {config.model.name_or_path} and its distilled model")  # fmt: skip
     if "register" in chosen and "evaluation" in result and tracking.uri and tracking.registered_model:
         if logged.get("version") is None:
             log.warning("stage 'register' skipped: the training stage registered no model version this run")

@@ -35,6 +35,7 @@ from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
 
 REPORT = "report"  # the folder, inside the run folder, that write_report fills
 METRICS = ("accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
+ARTIFACT = "jacobi-forcing-results"  # the Prefect artifact key of the results table
 
 
 class EvalWorker:
@@ -196,7 +197,7 @@ def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | No
 
     result = run_evaluation(from_dict(EvalConfig, evaluation, "eval"), from_dict(RayConfig, ray or {}, "ray"),
                             from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
-    create_markdown_artifact(result["markdown"], key="evaluation-results", description="Evaluation results")
+    create_markdown_artifact(result["markdown"], key=ARTIFACT, description="Evaluation: accuracy and speed of each model and method")
     return result
 
 

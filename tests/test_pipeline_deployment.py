@@ -183,3 +183,10 @@ def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs
     names = {json.loads(prefect(stack, "deployment", "inspect", f"jacobi-forcing/{n}", "--output", "json"))["name"]
              for n in ("full", "evaluate")}
     assert names == {"full", "evaluate"}
+
+
+def test_results_table_is_a_prefect_artifact(stack, two_runs):
+    out = subprocess.run([sys.executable, "infra/stack.py", "results"], env=stack["env"], cwd=REPO,
+                         capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+    assert "| gsm8k | trained | multiblock |" in out and "outputs identical (every one)" in out
+    assert f"MLflow UI: {stack['mlflow']}" in out
