@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,13 +22,14 @@ import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, from_dict, load_recipe, replace, to_dict
+from jfcore.config import ConfigError, from_dict, replace, to_dict
 from jfcore.eval.benchmarks import Problem, load_benchmark
 from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.eval.report import ALL, REPORT_FILES, write_report
 from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
 from jfcore.models import ModelConfig, ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
+from tasks.cli import stage_main
 from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
 from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
 
@@ -206,16 +206,9 @@ SECTIONS = {"eval": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
 
 def main(argv: list[str] | None = None) -> None:
     """jf-eval --config RECIPE: run (or resume) the evaluation stage alone."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.")
-    parser.add_argument("--config", required=True, help="YAML or JSON with sections eval, ray, tracking")
-    args = parser.parse_args(argv)
-    try:
-        configs = load_recipe(args.config, SECTIONS, required=("eval",))
-        result = run_evaluation(configs["eval"], configs["ray"], configs["tracking"])
-    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+    result = stage_main(argv, "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.", SECTIONS,
+                        lambda c: run_evaluation(c["eval"], c["ray"], c["tracking"]),
+                        (ConfigError, ModelLoadError, FileNotFoundError))  # fmt: skip
     print(f"\nreport: {result['report']}" + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else ""))
 
 

@@ -24,7 +24,7 @@ import torch
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, load_recipe, replace, to_dict
+from jfcore.config import ConfigError, check, from_dict, replace, to_dict
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError, packing_stats
@@ -36,6 +36,7 @@ from jfcore.training.loop import (
     complete_checkpoints,
     deepspeed_config,
 )
+from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
 from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
@@ -211,16 +212,9 @@ SECTIONS = {"train": TrainConfig, "launch": LaunchConfig, "tracking": TrackingCo
 
 def main(argv: list[str] | None = None) -> None:
     """jf-train --config RECIPE: run (or resume) the training stage alone."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Distill a model on packed Jacobi trajectories with DeepSpeed.")
-    parser.add_argument("--config", required=True, help="YAML or JSON with sections train, launch, tracking")
-    args = parser.parse_args(argv)
-    try:
-        configs = load_recipe(args.config, SECTIONS, required=("train",))
-        result = run_training(configs["train"], configs["launch"], configs["tracking"])
-    except (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed) as err:
-        sys.exit(f"error: {err}")
+    result = stage_main(argv, "Distill a model on packed Jacobi trajectories with DeepSpeed.", SECTIONS,
+                        lambda c: run_training(c["train"], c["launch"], c["tracking"]),
+                        (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed))  # fmt: skip
     print(json.dumps(result, indent=2, default=str))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from jfcore.config import ConfigError, from_dict
@@ -44,3 +46,16 @@ def test_data_order_covers_each_epoch_once_and_splits_ranks():
     again = DataOrder(num_rows=23, micro_batch=2, world_size=2, accumulation=2, seed=7)
     assert again.rows(5, 1, 1) == order.rows(5, 1, 1)  # a pure function of the step: resumable
     assert DataOrder(23, 2, 2, 2, seed=8).rows(0, 0, 0) != order.rows(0, 0, 0)
+
+
+def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text("train: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
+    done = subprocess.run([sys.executable, "-m", "tasks.training", "--config", str(recipe)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {recipe}: unknown section(s) launh; use train, launch, tracking")

@@ -68,7 +68,7 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     mtimes = {f.name: f.stat().st_mtime_ns for f in folder.glob("shard-*.parquet")}
     lines: list[str] = []
     assert run(tiny_checkpoint, prompt_file, tmp_path, lines.append) == folder
-    assert any("4/4 shards already complete, 0 to generate" in line for line in lines)
+    assert any("4/4 shards already complete, 0 to make" in line for line in lines)
     assert {f.name: f.stat().st_mtime_ns for f in folder.glob("shard-*.parquet")} == mtimes
 
     # A lost shard and a damaged one are redone, and only they; the result is the same rows.
@@ -76,7 +76,7 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     (folder / "shard-00002.parquet").write_bytes(b"truncated")
     lines.clear()
     run(tiny_checkpoint, prompt_file, tmp_path, lines.append)
-    assert any("2/4 shards already complete, 2 to generate" in line for line in lines)
+    assert any("2/4 shards already complete, 2 to make" in line for line in lines)
     assert (folder / "shard-00000.parquet").stat().st_mtime_ns == mtimes["shard-00000.parquet"]
     assert sorted(map(str, rows_of(folder))) == sorted(map(str, rows))
 
@@ -172,4 +172,4 @@ def test_smollm2_on_two_workers_survives_a_kill(tmp_path):
     assert_same_rows_no_duplicates(folder, undisturbed)
     lines: list[str] = []
     generate(tmp_path / "killed", lines.append)  # a rerun finds everything done
-    assert any("8/8 shards already complete, 0 to generate" in line for line in lines)
+    assert any("8/8 shards already complete, 0 to make" in line for line in lines)

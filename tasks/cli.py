@@ -1,0 +1,22 @@
+"""What the stage CLIs (`jf-train`, `jf-eval`) share: a recipe of sections in, one line per bad input out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping
+
+from jfcore.config import load_recipe
+
+
+def stage_main(argv: list[str] | None, description: str, sections: Mapping[str, type],
+               run: Callable[[dict], object], errors: tuple[type[BaseException], ...]) -> object:  # fmt: skip
+    """Parse `--config RECIPE` (the first section is required), run the stage, and turn `errors` into
+    `error: ...` and exit status 1 instead of a traceback."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help=f"YAML or JSON with sections {', '.join(sections)}")
+    args = parser.parse_args(argv)
+    try:
+        return run(load_recipe(args.config, sections, required=(next(iter(sections)),)))
+    except errors as err:
+        sys.exit(f"error: {err}")
