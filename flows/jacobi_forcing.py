@@ -10,19 +10,20 @@ MLflow gets one parent run per flow run, with the stages' runs nested in it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 
 from flows.recipe import STAGES, Recipe, load_recipe
-from jfcore.config import ConfigError, replace, to_dict
-from jfcore.models import ModelLoadError, resolve_checkpoint, source_fingerprint
+from jfcore.config import ConfigError, from_dict, replace, to_dict
+from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import MANIFEST, run_key
 from tasks.evaluation import evaluate_task
 from tasks.packing import pack_trajectories_task
 from tasks.registry import register_task
-from tasks.tracking import TrackingConfig, client, flat_params, record_stage
+from tasks.tracking import TrackingConfig, client, new_run, record_stage
 from tasks.training import train_task
 from tasks.trajectories import generate_trajectories_task
 
@@ -50,9 +51,6 @@ def _stamp(path: str) -> str:
 @task(name="resolve-model")
 def resolve_model_task(model: dict) -> str:
     """The model's source fingerprint (converting a GGUF preset once): the cache keys' anchor."""
-    from jfcore.config import from_dict
-    from jfcore.models import ModelConfig
-
     return source_fingerprint(from_dict(ModelConfig, model, "model"))
 
 
@@ -135,8 +133,6 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
 def _record_data_stages(config: Recipe, chosen: list[str], tracking: TrackingConfig, trajectories: str,
                         packed: str) -> None:  # fmt: skip
     """The data stages' settings, figures and manifests as runs nested under the flow's run."""
-    import json
-
     if "trajectories" in chosen:
         manifest = json.loads((Path(trajectories) / MANIFEST).read_text())
         rows = sum(shard["rows"] for shard in manifest["shards"].values())
@@ -153,8 +149,6 @@ def _record_data_stages(config: Recipe, chosen: list[str], tracking: TrackingCon
 
 def _existing(folder: Path, stage: str, chosen: list[str]) -> str:
     """A skipped data stage's newest finished output."""
-    import json
-
     if stage in chosen:
         return ""
     done = [p.parent for p in folder.glob("*/manifest.json") if json.loads(p.read_text()).get("complete")]
@@ -167,15 +161,5 @@ def _parent_run(config: Recipe, chosen: list[str]) -> str | None:
     """One MLflow run per flow run; the stages' runs nest under it."""
     if not config.tracking.uri:
         return None
-    mlflow = client(config.tracking)
-    experiment = mlflow.get_experiment_by_name(config.tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.tracking.experiment)
-    name = f"{runtime.flow_run.name or 'jacobi-forcing'}"
-    run = mlflow.create_run(experiment_id, run_name=name, tags={
-        "jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""), "jacobi_forcing.stages": ",".join(chosen)})  # fmt: skip
-    from mlflow.entities import Param
-
-    params = [Param(k, v) for k, v in flat_params({"recipe": to_dict(config)}).items()]
-    for start in range(0, len(params), 100):
-        mlflow.log_batch(run.info.run_id, params=params[start : start + 100])
-    return run.info.run_id
+    tags = {"jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""), "jacobi_forcing.stages": ",".join(chosen)}
+    return new_run(config.tracking, runtime.flow_run.name or "jacobi-forcing", {"recipe": to_dict(config)}, tags)

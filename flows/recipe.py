@@ -85,20 +85,16 @@ class Recipe:
         return Path(self.work_dir).expanduser().resolve() / stage
 
     def train_config(self, data: str = "-") -> TrainConfig:
-        model = _with(self.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
+        model = replace(self.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
         return from_dict(TrainConfig, {**self.train, "data": data, "output_dir": str(self.path("train")),
                                        "model": model}, "train")  # fmt: skip
 
     def eval_config(self, trained: str, model_uri: str | None = None) -> EvalConfig:
         e = self.evaluation
-        trained_model = _with(self.model, name_or_path=trained, gguf_file=None)
+        trained_model = replace(self.model, name_or_path=trained, gguf_file=None)
         models = {"base": EvalModel(self.model), "trained": EvalModel(trained_model, model_uri)}
         return EvalConfig(str(self.path("eval")), models, e.benchmarks, "base", e.decoding, e.problems_per_shard,
                           e.data_dir)  # fmt: skip
-
-
-def _with(model: ModelConfig, **changes) -> ModelConfig:
-    return replace(model, **changes)
 
 
 def load_recipe(source: str | Path | dict, overrides: dict | None = None) -> Recipe:

@@ -10,6 +10,7 @@ or trained like a plain one; later loads read the checkpoint directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -94,6 +95,12 @@ def _looks_like_path(name: str) -> bool:
     # Hub ids are "name" or "org/name" and never start with "." or "~"; anything else with a separator is a path.
     return name.startswith((".", "~", os.sep, "/")) or name.endswith(".gguf") or (
         os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name))
+
+
+def with_absolute_path(config: ModelConfig) -> ModelConfig:
+    """`config` with a local name_or_path made absolute (for processes with another working folder)."""
+    path = Path(config.name_or_path).expanduser()
+    return dataclasses.replace(config, name_or_path=str(path.resolve())) if path.exists() else config
 
 
 def resolve_checkpoint(config: ModelConfig) -> str:

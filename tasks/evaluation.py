@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, from_dict, replace, to_dict
+from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.eval.benchmarks import Problem, load_benchmark
 from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.eval.report import ALL, REPORT_FILES, write_report
 from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
-from jfcore.models import ModelConfig, ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks.cli import stage_main
 from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
@@ -69,7 +69,7 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
         f"{', '.join(config.models)} x methods {', '.join(config.decoding.methods)}")  # fmt: skip
 
     # Workers need not share the driver's working folder.
-    models = {label: asdict(m) | {"model": asdict(_absolute(m.model))} for label, m in config.models.items()}
+    models = {label: asdict(m) | {"model": asdict(with_absolute_path(m.model))} for label, m in config.models.items()}
     with ray_session(ray_config):
         workers = start_workers(EvalWorker, ray_config, models, asdict(config.decoding))
         prints = ray.get(workers[0].fingerprints.remote())
@@ -155,11 +155,6 @@ def _log_results(mlflow, run_id: str, config: EvalConfig, report: dict, datasets
     for name in REPORT_FILES:
         mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path("evaluation", name).parent))
     mlflow.set_tag(run_id, "mlflow.note.content", report["markdown"])
-
-
-def _absolute(model: ModelConfig) -> ModelConfig:
-    path = Path(model.name_or_path).expanduser()
-    return replace(model, name_or_path=str(path.resolve())) if path.exists() else model
 
 
 def _model_id(mlflow, model_uri: str) -> str:

@@ -48,10 +48,23 @@ def flat_params(data: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | None = None) -> str:
-    """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with params."""
+def new_run(config: TrackingConfig, run_name: str | None, params: dict, tags: dict | None = None) -> str:
+    """A run in `config.experiment` (created if missing), nested under `config.parent_run_id`, with flat params."""
     from mlflow.entities import Param
 
+    mlflow = client(config)
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.experiment)
+    parent = {"mlflow.parentRunId": config.parent_run_id} if config.parent_run_id else {}
+    run_id = mlflow.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}) | parent).info.run_id
+    items = [Param(k, v) for k, v in flat_params(params).items()]
+    for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        mlflow.log_batch(run_id, params=items[start : start + 100])
+    return run_id
+
+
+def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | None = None) -> str:
+    """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with params."""
     mlflow = client(config)
     record = folder / RUN_FILE
     if record.is_file():
@@ -59,16 +72,7 @@ def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | N
         if saved["uri"] == config.uri:
             mlflow.update_run(saved["run_id"], status="RUNNING")
             return saved["run_id"]
-    experiment = mlflow.get_experiment_by_name(config.experiment)
-    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.experiment)
-    all_tags = dict(tags or {})
-    if config.parent_run_id:
-        all_tags["mlflow.parentRunId"] = config.parent_run_id
-    run = mlflow.create_run(experiment_id, run_name=config.run_name, tags=all_tags)
-    run_id = run.info.run_id
-    items = [Param(k, v) for k, v in flat_params(params).items()]
-    for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-        mlflow.log_batch(run_id, params=items[start : start + 100])
+    run_id = new_run(config, config.run_name, params, tags)
     mlflow.set_tag(run_id, "mlflow.note.content", f"output folder: {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(record, lambda tmp: tmp.write_text(json.dumps({"uri": config.uri, "run_id": run_id})))
@@ -137,18 +141,13 @@ def record_stage(config: TrackingConfig, stage: str, params: dict, metrics: dict
     import math
     import time
 
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric
 
-    mlflow = client(config)
-    experiment = mlflow.get_experiment_by_name(config.experiment)
-    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(config.experiment)
-    tags = {"jacobi_forcing.stage": stage} | ({"mlflow.parentRunId": config.parent_run_id} if config.parent_run_id else {})
-    run_id = mlflow.create_run(experiment_id, run_name=stage, tags=tags).info.run_id
+    run_id = new_run(config, stage, params, {"jacobi_forcing.stage": stage})
     now = int(time.time() * 1000)
-    items = [Param(k, v) for k, v in flat_params(params).items()]
     values = [Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(float(v))]
-    for start in range(0, max(len(items), 1), 100):
-        mlflow.log_batch(run_id, metrics=values if start == 0 else (), params=items[start : start + 100])
+    mlflow = client(config)
+    mlflow.log_batch(run_id, metrics=values)
     for path in artifacts:
         mlflow.log_artifact(run_id, str(path), artifact_path=stage)
     mlflow.set_terminated(run_id, "FINISHED")

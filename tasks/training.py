@@ -25,7 +25,7 @@ from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, check, from_dict, replace, to_dict
-from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError, packing_stats
 from jfcore.training.loop import (
@@ -119,11 +119,8 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
 
 
 def _absolute_paths(train: TrainConfig) -> TrainConfig:
-    model = train.model
-    if Path(model.name_or_path).exists():
-        model = replace(model, name_or_path=str(Path(model.name_or_path).resolve()))
     return replace(train, data=str(Path(train.data).resolve()), output_dir=str(Path(train.output_dir).resolve()),
-                   model=model)  # fmt: skip
+                   model=with_absolute_path(train.model))  # fmt: skip
 
 
 def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None]) -> None:
