@@ -5,6 +5,7 @@ Usage: python -m torch.distributed.run --nproc_per_node N -m tasks.train_worker 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from tasks.tracking import TrackingConfig, metric_logger
 
 
 def main(argv: list[str]) -> None:
+    faulthandler.enable()  # a native crash (SIGABRT, SIGSEGV) still shows where Python was
     launch = json.loads(Path(argv[0]).read_text())
     config = from_dict(TrainConfig, launch["train"], "train")
     on_metrics = None

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_mod
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 LAUNCH_FILE = "launch.json"
+LAUNCH_LOG = "launch.log"  # every line the training processes printed, across launches
+# torchrun's own post-mortem starts here; the lines before it are the ranks' (the real cause)
+POST_MORTEM = "torch/distributed/elastic/multiprocessing/api.py"
 
 
 class TrainingFailed(RuntimeError):
@@ -108,7 +112,7 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
         result["model"] = logged_model(out)
         if result["model"] is None:
             mlflow = client(tracking)
-            for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE):
+            for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE, LAUNCH_LOG):
                 mlflow.log_artifact(run_id, str(out / name), artifact_path="training")
             result["model"] = log_model_by_path(tracking, run_id, out / "final", out)  # ends the run: FINISHED
         else:
@@ -161,9 +165,15 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
     try:
         if timer:
             timer.start()
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            log(tail[-1])
+        with open(launch_file.parent / LAUNCH_LOG, "a") as full_log:
+            full_log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+            in_post_mortem = False
+            for line in proc.stdout:
+                full_log.write(line)
+                in_post_mortem = in_post_mortem or POST_MORTEM in line
+                if not in_post_mortem:
+                    tail.append(line.rstrip())
+                log(line.rstrip())
         code = proc.wait()
     finally:
         if timer:
@@ -175,7 +185,8 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
         why = "\n".join(f"{p.stem.removeprefix(FAILURE_PREFIX)}: {p.read_text()}" for p in reasons)
         raise TrainingFailed(
             f"training processes exited with code {code}; "
-            + (f"they reported:\n{why}" if why else "the last lines were:\n" + "\n".join(tail))
+            + (f"they reported:\n{why}" if why else "their last lines were:\n" + "\n".join(tail))
+            + f"\nEvery line they printed is in {launch_file.parent / LAUNCH_LOG}."
             + f"\nOnce fixed (or if a process was killed), run the stage again: it resumes from the newest "
             f"checkpoint in {launch_file.parent / CHECKPOINTS}"
         )
