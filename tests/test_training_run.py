@@ -99,7 +99,7 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
     losses = {m.step: m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")}
     assert losses == pytest.approx({r["step"]: r["loss"] for r in records})
     artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id, "training")}
-    assert {"training/deepspeed_config.json", "training/metrics.jsonl", "training/launch.json"} <= artifacts
+    assert {f"training/{name}" for name in ("deepspeed_config.json", "metrics.jsonl", "launch.json", "launch.log")} <= artifacts
     version = mlflow.get_model_version("jf-tiny", uninterrupted["model"]["version"])
     assert version.run_id == run.info.run_id
 
@@ -157,9 +157,11 @@ def kill_rank_1_at(output_dir: Path, step: int) -> tuple[threading.Thread, list[
 def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
     train = config(setup, "killed")
     killer, killed = kill_rank_1_at(Path(train.output_dir), step=4)
-    with pytest.raises(TrainingFailed, match="resumes from the newest checkpoint"):
+    with pytest.raises(TrainingFailed, match="resumes from the newest checkpoint") as failure:
         run_training(train, LAUNCH, tracking(setup, "killed"), log=lambda line: None)
     killer.join()
+    launch_log = Path(train.output_dir) / "launch.log"
+    assert str(launch_log) in str(failure.value) and "Root Cause" not in str(failure.value)  # no torchrun post-mortem
     assert killed, "the training finished before a rank could be killed"
     run_id = json.loads((Path(train.output_dir) / "mlflow_run.json").read_text())["run_id"]
     assert client(tracking(setup, "killed")).get_run(run_id).info.status == "FAILED"
@@ -168,6 +170,8 @@ def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
     result = run_training(train, LAUNCH, tracking(setup, "killed"), log=lines.append)
     assert any("resuming from step-0000004" in line for line in lines)
     assert result["mlflow_run_id"] == run_id  # the same MLflow run continues
+    launches = launch_log.read_text().split("\n=== ")  # both launches, the killed one's post-mortem included
+    assert len(launches) == 2 and "Root Cause" in launches[0] and "training finished" in launches[1]
     resumed, whole = curve(train.output_dir), curve(Path(uninterrupted["final_dir"]).parent)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(resumed[4:], whole[4:]):
