@@ -73,7 +73,8 @@ def jacobi_forcing(recipe: str | dict = DEFAULT_RECIPE, stages: list[str] | None
     except ModelLoadError as err:
         raise ConfigError(f"recipe model.name_or_path: {err}") from err
     parent = _parent_run(config, chosen)
-    tracking = replace(config.tracking, parent_run_id=parent) if parent else config.tracking
+    # the recipe's run_name names the parent; the nested runs are named by their stage
+    tracking = replace(config.tracking, parent_run_id=parent, run_name=None) if parent else config.tracking
     try:
         result = _run_stages(config, chosen, resume, tracking, log)
     except BaseException:
@@ -162,4 +163,5 @@ def _parent_run(config: Recipe, chosen: list[str]) -> str | None:
     if not config.tracking.uri:
         return None
     tags = {"jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""), "jacobi_forcing.stages": ",".join(chosen)}
-    return new_run(config.tracking, runtime.flow_run.name or "jacobi-forcing", {"recipe": to_dict(config)}, tags)
+    name = config.tracking.run_name or runtime.flow_run.name or "jacobi-forcing"
+    return new_run(config.tracking, name, {"recipe": to_dict(config)}, tags)

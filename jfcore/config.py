@@ -44,7 +44,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str | None = None) -
     ]
     if missing:
         raise ConfigError(f"{where}: missing required key(s): {', '.join(missing)}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:  # a value check in __post_init__: say where the value sits
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def to_dict(config: Any) -> dict[str, Any]:

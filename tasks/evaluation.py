@@ -113,8 +113,7 @@ def log_evaluation(tracking: TrackingConfig, folder: Path, config: EvalConfig, r
     """The stage's MLflow run: params, the benchmarks (name -> their problems) and the evaluated
     MLflow models as inputs, one metric per table cell, the report folder as artifacts, the table as the
     run's description; and each model with a `model_uri` gets its rows as metrics of its own."""
-    run_id = stage_run(tracking, folder, {"eval": to_dict(config), "ray": to_dict(ray_config)},
-                       tags={"jacobi_forcing.stage": "evaluate"})  # fmt: skip
+    run_id = stage_run(tracking, folder, "evaluate", {"eval": to_dict(config), "ray": to_dict(ray_config)})
     record = json.loads((folder / RUN_FILE).read_text())
     mlflow = client(tracking)
     if record.get("logged"):  # a rerun of a finished evaluation logs nothing twice

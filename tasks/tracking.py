@@ -63,8 +63,9 @@ def new_run(config: TrackingConfig, run_name: str | None, params: dict, tags: di
     return run_id
 
 
-def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | None = None) -> str:
-    """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with params."""
+def stage_run(config: TrackingConfig, folder: Path, stage: str, params: dict) -> str:
+    """The stage's MLflow run id: reopened when `folder` already has one on this server, else created with
+    params and named `config.run_name` or the stage, so a flow's nested runs read as its stages."""
     mlflow = client(config)
     record = folder / RUN_FILE
     if record.is_file():
@@ -72,7 +73,7 @@ def stage_run(config: TrackingConfig, folder: Path, params: dict, tags: dict | N
         if saved["uri"] == config.uri:
             mlflow.update_run(saved["run_id"], status="RUNNING")
             return saved["run_id"]
-    run_id = new_run(config, config.run_name, params, tags)
+    run_id = new_run(config, config.run_name or stage, params, {"jacobi_forcing.stage": stage})
     mlflow.set_tag(run_id, "mlflow.note.content", f"output folder: {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(record, lambda tmp: tmp.write_text(json.dumps({"uri": config.uri, "run_id": run_id})))

@@ -94,7 +94,7 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
     run_id = None
     if tracking.uri:
         params = {"train": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
-        run_id = stage_run(tracking, out, params, tags={"jacobi_forcing.stage": "train"})
+        run_id = stage_run(tracking, out, "train", params)
     launch_file = out / LAUNCH_FILE
     content = {"train": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}
     atomic_write(launch_file, lambda tmp: tmp.write_text(json.dumps(content, indent=2)))
@@ -165,7 +165,7 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
     try:
         if timer:
             timer.start()
-        with open(launch_file.parent / LAUNCH_LOG, "a") as full_log:
+        with open(launch_file.parent / LAUNCH_LOG, "a", buffering=1) as full_log:  # line by line: survives a kill
             full_log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
             in_post_mortem = False
             for line in proc.stdout:

@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
     with mlflow_server(root / "mlflow") as uri:
         # The "trained" checkpoint logged and registered the way the training stage does it.
         tracking = TrackingConfig(uri=uri, experiment="eval-tests", registered_model="jf-eval-tiny")
-        run_id = stage_run(tracking, root / "train-stage", {"checkpoint": str(trained)})
+        run_id = stage_run(tracking, root / "train-stage", "train", {"checkpoint": str(trained)})
         logged = log_model_by_path(tracking, run_id, trained, root / "train-stage")
         yield {"root": root, "base": base, "trained": trained, "mlflow": uri, "model_uri": "models:/jf-eval-tiny/1",
                "logged": logged}  # fmt: skip

@@ -157,6 +157,7 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     assert parent.data.params["recipe.trajectory.block_size"] == "4"
     nested = {r.data.tags["jacobi_forcing.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert {"trajectories", "packing", "evaluate"} <= set(nested)
+    assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
     assert nested["packing"].data.metrics["sequences"] == 12
     assert [a.path for a in mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")] == [
         "trajectories/manifest.json"]

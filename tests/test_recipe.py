@@ -24,7 +24,7 @@ def test_shipped_recipes_load(name):
     ("change", "message"),
     [
         ({"trajectories": {}}, "recipe: unknown key 'trajectories' (did you mean 'trajectory'?)"),
-        ({"trajectory": {"block_size": -4}}, "block_size must be >= 2"),
+        ({"trajectory": {"block_size": -4}}, "recipe.trajectory: block_size must be >= 2"),
         ({"trajectory": {"block_size": "16"}}, "recipe.trajectory.block_size: expected an integer, got '16'"),
         ({"train": {"learning_rat": 1e-5}}, "train: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
         ({"train": {"output_dir": "x"}}, "train.output_dir: set by the flow"),
