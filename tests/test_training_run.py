@@ -99,7 +99,8 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
     losses = {m.step: m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")}
     assert losses == pytest.approx({r["step"]: r["loss"] for r in records})
     artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id, "training")}
-    assert {f"training/{name}" for name in ("deepspeed_config.json", "metrics.jsonl", "launch.json", "launch.log")} <= artifacts
+    logged = ("deepspeed_config.json", "metrics.jsonl", "launch.json", "launch.log")
+    assert {f"training/{name}" for name in logged} <= artifacts
     version = mlflow.get_model_version("jf-tiny", uninterrupted["model"]["version"])
     assert version.run_id == run.info.run_id
 
