@@ -176,14 +176,14 @@ def status() -> None:
 
 def results() -> None:
     from prefect.client.orchestration import SyncPrefectClient
-
-    from tasks.evaluation import ARTIFACT
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
+    from tasks import RESULTS_ARTIFACT
+
     prefect_port, mlflow_port = ports()
     with SyncPrefectClient(api=environment()["PREFECT_API_URL"]) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT])),
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[RESULTS_ARTIFACT])),
                                       sort=ArtifactSort.CREATED_DESC, limit=1)  # fmt: skip
     print(found[0].data if found else "no results yet: run `prefect deployment run jacobi-forcing/full`")
     print(f"\nPrefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")

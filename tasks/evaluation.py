@@ -29,13 +29,13 @@ from jfcore.eval.report import ALL, REPORT_FILES, write_report
 from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
+from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
 from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
 from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
 
 REPORT = "report"  # the folder, inside the run folder, that write_report fills
 METRICS = ("accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
-ARTIFACT = "jacobi-forcing-results"  # the Prefect artifact key of the results table
 
 
 class EvalWorker:
@@ -191,7 +191,7 @@ def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | No
 
     result = run_evaluation(from_dict(EvalConfig, evaluation, "eval"), from_dict(RayConfig, ray or {}, "ray"),
                             from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
-    create_markdown_artifact(result["markdown"], key=ARTIFACT, description="Evaluation: accuracy and speed of each model and method")
+    create_markdown_artifact(result["markdown"], key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method")
     return result
 
 

@@ -9,7 +9,8 @@ from prefect import flow
 from prefect.artifacts import Artifact
 
 from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from tasks.evaluation import ARTIFACT, evaluate_task
+from tasks import RESULTS_ARTIFACT
+from tasks.evaluation import evaluate_task
 
 pytestmark = pytest.mark.slow
 
@@ -36,5 +37,5 @@ def test_smollm2_evaluation_is_lossless_and_reported(tmp_path):
     assert all(s["exact"] and 0 < s["new_tokens"] <= 40 for s in samples)
     greedy = {s["problem_id"]: s["tokens"] for s in samples if s["method"] == "hf_greedy"}
     assert all(s["tokens"] == greedy[s["problem_id"]] for s in samples)
-    artifact = Artifact.get(ARTIFACT)
+    artifact = Artifact.get(RESULTS_ARTIFACT)
     assert artifact is not None and artifact.data == result["markdown"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,9 +51,6 @@ def test_data_order_covers_each_epoch_once_and_splits_ranks():
 
 
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
     recipe = tmp_path / "train.yaml"
     recipe.write_text("train: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
     done = subprocess.run([sys.executable, "-m", "tasks.training", "--config", str(recipe)], capture_output=True,
