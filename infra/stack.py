@@ -117,7 +117,9 @@ def _start(service: Service, env: dict[str, str], timeout_s: float = 180) -> Non
         proc = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)  # fmt: skip
     service.pid_file().write_text(str(proc.pid))
-    deadline = time.time() + timeout_s
+    from jfcore.hostspeed import scaled  # here: it imports torch, which other commands need not wait for
+
+    deadline = time.time() + scaled(timeout_s)
     while service.health and not _healthy(service.health):
         if proc.poll() is not None or time.time() > deadline:
             tail = service.log_file().read_text()[-3000:]

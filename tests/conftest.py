@@ -16,8 +16,24 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="jf-prefect-"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import pytest
 import torch
+
+from jfcore.hostspeed import scaled
+
+# Every test's time limit (pytest-timeout; setup and teardown count, so a module fixture's work counts toward
+# the test that first uses it), scaled to this host's speed. With two CPU-bound processes beside the suite on
+# the 2-core reference machine the slowest test took 10.5 minutes (tests/test_training_smollm2.py); 20 lets a
+# loaded host pass, and a hang fails with every thread's stack instead of running into CI's limit. A test may
+# set its own with @pytest.mark.timeout(seconds).
+TEST_TIMEOUT_S = 1200
 
 # Tiny models gain nothing from a second thread, and two test processes (or a test and a
 # benchmark) each running two threads on a 2-core host slow each other down tenfold.
 torch.set_num_threads(int(os.environ.get("JF_TEST_THREADS", "1")))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(scaled(TEST_TIMEOUT_S)))

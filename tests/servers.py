@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from jfcore.hostspeed import scaled
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,7 @@ def mlflow_server(folder: Path):
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + scaled(120)
         while True:
             try:
                 urllib.request.urlopen(f"{uri}/health", timeout=2)

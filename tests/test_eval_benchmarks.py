@@ -17,7 +17,8 @@ def test_every_benchmark_loads_whole_and_its_references_score(name):
     sample = load_benchmark(BenchmarkConfig(name, limit=20, seed=3))
     assert len(sample) == 20 and sample == load_benchmark(BenchmarkConfig(name, limit=20, seed=3))
     assert [p.id for p in sample] != [p.id for p in problems[:20]]  # the seed shuffles
-    assert all(p.score(p.reference_completion()) == (True, "passed" if p.code else "correct") for p in sample)
+    verdict = "passed" if sample[0].code else "correct"
+    assert all(p.score(p.reference_completion()) == (True, verdict, verdict) for p in sample)
     assert not any(p.score("I am not sure.")[0] for p in sample)
 
 

@@ -12,10 +12,11 @@ from jfcore.eval.config import EvalConfig
 from jfcore.eval.report import REPORT_FILES, markdown_table, summarize, write_report
 
 
-def sample(benchmark, model, method, tokens, forwards, prefill, decode, correct, exact=True):
+def sample(benchmark, model, method, tokens, forwards, prefill, decode, correct, exact=True, verdict=None):
     return {"benchmark": benchmark, "problem_id": "p", "model": model, "method": method, "new_tokens": tokens,
             "decode_forwards": forwards, "prefill_seconds": prefill, "decode_seconds": decode,
-            "tpf": tokens / forwards, "correct": correct, "exact": exact}  # fmt: skip
+            "tpf": tokens / forwards, "correct": correct, "exact": exact,
+            "verdict": verdict or ("passed" if correct else "failed")}  # fmt: skip
 
 
 SAMPLES = [
@@ -26,6 +27,7 @@ SAMPLES = [
     sample("gsm8k", "base", "jacobi", 30, 10, 1.0, 4.5, False, exact=False),
     sample("mbpp", "base", "hf_greedy", 20, 19, 1.0, 9.0, True),
     sample("mbpp", "base", "jacobi", 20, 4, 1.0, 1.5, True),
+    sample("mbpp", "base", "jacobi", 20, 4, 1.0, 1.5, False, verdict="timeout"),  # ran out of CPU time
 ]
 
 
@@ -49,8 +51,12 @@ def test_every_column_is_computed_as_documented():
     assert jacobi["speedup"] == pytest.approx((40 / 8.5) / (40 / 15))
     assert jacobi["exact"] == 0.5
     pooled = row(table, "all", "base", "jacobi")
-    assert pooled["samples"] == 3 and pooled["tps"] == pytest.approx(60 / 11.0)
-    assert pooled["speedup"] == pytest.approx((60 / 11.0) / (60 / 25.0))
+    assert pooled["samples"] == 4 and pooled["tps"] == pytest.approx(80 / 13.5)
+    assert pooled["speedup"] == pytest.approx((80 / 13.5) / (60 / 25.0))
+    # Timeouts are counted apart from wrong answers, per benchmark and method.
+    assert [row(table, b, "base", m)["timeouts"] for b in ("gsm8k", "mbpp", "all") for m in ("hf_greedy", "jacobi")] == [
+        0, 0, 0, 1, 0, 1]  # fmt: skip
+    assert row(table, "mbpp", "base", "jacobi")["accuracy"] == 0.5
 
 
 def test_speedup_is_relative_to_the_baseline_model_on_the_same_benchmark():
@@ -65,10 +71,11 @@ def test_speedup_is_relative_to_the_baseline_model_on_the_same_benchmark():
 def test_markdown_says_whether_every_output_equals_greedy():
     table = summarize(SAMPLES, baseline="base")
     text = markdown_table(table, SAMPLES)
-    assert "| gsm8k | base | jacobi | 2 | 50.0% | 2.50 | 4.7 | 6.2 | 1.76x | 50% |" in text
-    assert "2/3 outputs identical (NOT all: 1 differ)" in text
+    assert "| gsm8k | base | jacobi | 2 | 50.0% | 0 | 2.50 | 4.7 | 6.2 | 1.76x | 50% |" in text
+    assert "| mbpp | base | jacobi | 2 | 50.0% | 1 | 5.00 | 8.0 | 13.3 | 4.00x | 100% |" in text
+    assert "3/4 outputs identical (NOT all: 1 differ)" in text
     exact = [dict(s, exact=True) for s in SAMPLES]
-    assert "3/3 outputs identical (every one)" in markdown_table(summarize(exact, "base"), exact)
+    assert "4/4 outputs identical (every one)" in markdown_table(summarize(exact, "base"), exact)
 
 
 def test_report_files(tmp_path):
@@ -76,7 +83,7 @@ def test_report_files(tmp_path):
     for name in REPORT_FILES:
         assert (tmp_path / name).stat().st_size > 0, name
     assert (tmp_path / "plots" / "speedup_vs_accuracy.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "results.json").read_text())["exact"] == {"equal": 2, "checked": 3}
+    assert json.loads((tmp_path / "results.json").read_text())["exact"] == {"equal": 3, "checked": 4}
     assert pq.read_table(tmp_path / "results.parquet").num_rows == len(summary["table"]) == 6
     assert pq.read_table(tmp_path / "samples.parquet").num_rows == len(SAMPLES)
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from jfcore.hostspeed import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 GUARD = [sys.executable, "-m", "tasks.launch_guard"]
 
@@ -34,7 +36,7 @@ def test_a_killed_launcher_takes_the_job_down(tmp_path):
     launch_code = (f"import subprocess, time\nsubprocess.Popen({[*GUARD, sys.executable, '-c', job_code]!r}, "
                    "start_new_session=True)\ntime.sleep(120)\n")  # fmt: skip
     launcher = subprocess.Popen([sys.executable, "-c", launch_code], cwd=REPO)
-    deadline = time.time() + 30
+    deadline = time.time() + scaled(30)
     while not (pid_file.is_file() and pid_file.read_text()):
         assert time.time() < deadline, "the job did not start"
         time.sleep(0.2)
@@ -42,7 +44,7 @@ def test_a_killed_launcher_takes_the_job_down(tmp_path):
     assert alive(job)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    deadline = time.time() + 10
+    deadline = time.time() + scaled(10)
     while alive(job):
         assert time.time() < deadline, "the job outlived its launcher"
         time.sleep(0.2)

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from jfcore.hostspeed import scaled
 from tests.servers import free_port
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -34,10 +35,10 @@ def stack(tmp_path_factory):
                              text=True, check=True).stdout  # fmt: skip
     env |= dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
     try:
-        subprocess.run([sys.executable, "infra/stack.py", "up"], env=env, cwd=REPO, check=True, timeout=300)
+        subprocess.run([sys.executable, "infra/stack.py", "up"], env=env, cwd=REPO, check=True, timeout=scaled(300))
         yield {"root": root, "env": env, "mlflow": env["MLFLOW_TRACKING_URI"]}
     finally:
-        subprocess.run([sys.executable, "infra/stack.py", "down"], env=env, cwd=REPO, check=False, timeout=120)
+        subprocess.run([sys.executable, "infra/stack.py", "down"], env=env, cwd=REPO, check=False, timeout=scaled(120))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def recipe(stack) -> Path:
 
 def prefect(stack, *args: str, timeout: float = 600) -> str:
     done = subprocess.run([sys.executable, "-m", "prefect", *args], env=stack["env"], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, check=False)  # fmt: skip
+                          text=True, timeout=scaled(timeout), check=False)  # fmt: skip
     assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout if "--output" in args else done.stdout + done.stderr  # logs may come on either
 
@@ -94,7 +95,7 @@ def task_states(stack, flow_run_id: str) -> dict[str, str]:
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
+    deadline = time.time() + scaled(timeout)
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(1)
@@ -188,6 +189,6 @@ def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs
 
 def test_results_table_is_a_prefect_artifact(stack, two_runs):
     out = subprocess.run([sys.executable, "infra/stack.py", "results"], env=stack["env"], cwd=REPO,
-                         capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+                         capture_output=True, text=True, check=True, timeout=scaled(120)).stdout  # fmt: skip
     assert "| gsm8k | trained | multiblock |" in out and "outputs identical (every one)" in out
     assert f"MLflow UI: {stack['mlflow']}" in out

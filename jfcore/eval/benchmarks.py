@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from jfcore.config import ConfigError, check
 from jfcore.eval.answers import gsm8k_correct, gsm8k_gold, math_correct
@@ -44,6 +44,12 @@ class BenchmarkConfig:
         check(self.limit is None or self.limit >= 1, f"BenchmarkConfig.limit: must be >= 1, got {self.limit}")
 
 
+class Score(NamedTuple):
+    correct: bool
+    verdict: str  # code: the sandbox's status (passed, failed, timeout, load_error, error); math: correct or wrong
+    detail: str  # why, for a reader ("failed: assertion failed", "wrong answer")
+
+
 @dataclass(frozen=True)
 class Problem:
     benchmark: str
@@ -52,14 +58,15 @@ class Problem:
     gold: str  # the reference answer (math) or program (code)
     code: CodeProblem | None = None
 
-    def score(self, completion: str) -> tuple[bool, str]:
-        """(correct, detail) for one completion, through the same path for models and references."""
+    def score(self, completion: str) -> Score:
+        """How one completion scores, through the same path for models and references."""
         if self.code is not None:
             verdict = score_completion(self.code, completion)
-            return verdict.passed, verdict.status if verdict.passed else f"{verdict.status}: {verdict.detail}"
+            detail = verdict.status if verdict.passed else f"{verdict.status}: {verdict.detail}"
+            return Score(verdict.passed, verdict.status, detail)
         judge = gsm8k_correct if self.benchmark == "gsm8k" else math_correct
         correct = judge(completion, self.gold)
-        return correct, "correct" if correct else "wrong answer"
+        return Score(correct, "correct" if correct else "wrong", "correct" if correct else "wrong answer")
 
     def reference_completion(self) -> str:
         """A completion made of the gold solution, written the way a model would answer."""
@@ -77,7 +84,7 @@ def _humaneval(row: dict) -> Problem:
 
 def _mbpp(name: str) -> Callable[[dict], Problem]:
     def make(row: dict) -> Problem:
-        code = mbpp_problem(row)
+        code = mbpp_problem(row, name)
         tests = "\n".join(row["test_list"])
         ask = f"{code.prompt}\nYour code should pass these tests:\n\n{tests}\n\nReply with the code in a ```python code block."
         return Problem(name, str(row["task_id"]), ask, code.reference, code)

@@ -4,6 +4,7 @@
 |---|---|
 | samples | problems decoded |
 | accuracy | share of completions scored correct (pass@1 for code: greedy, one sample) |
+| timeouts | completions whose program ran out of its CPU budget (or waited past the wall-clock backstop): failures decided by time, not by a wrong answer |
 | tpf | mean over samples of new tokens / decode forwards (the prefill forward is not counted) |
 | tps | new tokens / wall seconds of the decode calls, prefill included (end-to-end) |
 | decode_tps | new tokens / wall seconds after the prefill |
@@ -21,7 +22,7 @@ from statistics import mean
 from jfcore.eval.config import REFERENCE
 
 ALL = "all"  # the benchmark label of the rows that pool every benchmark
-COLUMNS = ("benchmark", "model", "method", "samples", "accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
+COLUMNS = ("benchmark", "model", "method", "samples", "accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
 
 
 def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
@@ -40,6 +41,7 @@ def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
         table.append({
             "benchmark": benchmark, "model": model, "method": method, "samples": len(rows),
             "accuracy": mean(r["correct"] for r in rows),
+            "timeouts": sum(r["verdict"] == "timeout" for r in rows),
             "tpf": mean(r["tpf"] for r in rows),
             "tps": tokens / seconds if seconds > 0 else 0.0,
             "decode_tps": tokens / decode_seconds if decode_seconds > 0 else 0.0,
@@ -62,11 +64,11 @@ def all_exact(samples: Iterable[dict]) -> tuple[int, int]:
 def markdown_table(table: Sequence[dict], samples: Sequence[dict]) -> str:
     """The table as Markdown, with a closing line on exactness against greedy decoding."""
 
-    lines = ["| benchmark | model | method | samples | accuracy | TPF | TPS | decode TPS | speedup | = AR |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| benchmark | model | method | samples | accuracy | timeouts | TPF | TPS | decode TPS | speedup | = AR |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in table:
         lines.append(
-            f"| {r['benchmark']} | {r['model']} | {r['method']} | {r['samples']} | {r['accuracy']:.1%} "
+            f"| {r['benchmark']} | {r['model']} | {r['method']} | {r['samples']} | {r['accuracy']:.1%} | {r['timeouts']} "
             f"| {r['tpf']:.2f} | {r['tps']:.1f} | {r['decode_tps']:.1f} | {'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} "
             f"| {r['exact']:.0%} |"
         )

@@ -16,7 +16,7 @@ import pyarrow as pa
 from jfcore.chat import encode_chat
 from jfcore.decoding import special_tokens
 from jfcore.decoding.reference import first_divergence
-from jfcore.eval.benchmarks import Problem
+from jfcore.eval.benchmarks import Problem, Score
 from jfcore.eval.config import REFERENCE, DecodingSettings, EvalModel
 from jfcore.eval.methods import Method, hf_method, project_method
 from jfcore.models import load_model, model_fingerprint, tokenizer_fingerprint
@@ -39,6 +39,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
     ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
     ("correct", pa.bool_()),
+    ("verdict", pa.string()),  # code: passed, failed, timeout, load_error or error; math: correct or wrong
     ("detail", pa.string()),  # why a completion scored as it did ("passed", "failed: ...", "wrong answer")
 ])  # fmt: skip
 
@@ -100,7 +101,7 @@ class Evaluator:
         self.warm = True
 
     def _rows(self, problem: Problem, prompts: dict, runs: dict) -> list[dict]:
-        scores: dict[str, tuple[bool, str]] = {}  # identical completions are scored once
+        scores: dict[str, Score] = {}  # identical completions are scored once
         rows = []
         for label, method in self.pairs:
             run, tokenizer = runs[label, method], self.models[label].tokenizer
@@ -108,7 +109,7 @@ class Evaluator:
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if text not in scores:
                 scores[text] = problem.score(text)
-            correct, detail = scores[text]
+            score = scores[text]
             rows.append({
                 "benchmark": problem.benchmark, "problem_id": problem.id, "model": label, "method": method,
                 "prompt_tokens": len(prompts[label]), "new_tokens": len(tokens),
@@ -116,6 +117,6 @@ class Evaluator:
                 "decode_seconds": run.decode_seconds, "forward_seconds": run.forward_seconds,
                 "tpf": len(tokens) / max(run.decode_forwards, 1), "tokens": tokens, "completion": text,
                 "exact": tokens == reference, "first_divergence": first_divergence(tokens, reference),
-                "correct": correct, "detail": detail[:500],
+                "correct": score.correct, "verdict": score.verdict, "detail": score.detail[:500],
             })  # fmt: skip
         return rows

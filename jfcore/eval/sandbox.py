@@ -10,13 +10,20 @@ Two processes per program:
   that forward each call to the sandbox and unpickle the answer with `PlainData` (plain
   Python values only), so the verdict cannot be forged: printing "passed", exiting early,
   killing the server or returning an object whose __eq__ always says True all fail.
+
+Time: CPU seconds decide a timeout, so a correct program is not failed because the host
+is busy (other processes share its cores) or slow (callers scale the budget with
+`jfcore.hostspeed.slowdown()`). The wall clock is only a backstop, for programs that wait
+instead of computing (a sleep, a blocked read), and is generous on purpose.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import io
+import math
 import os
 import pickle
 import re
@@ -35,6 +42,9 @@ from typing import Literal
 
 SERVER = Path(__file__).with_name("sandbox_server.py")
 REFERENCE = "__jf_sandbox_reference__"  # the same marker as in sandbox_server.py
+# The wall-clock backstop leaves room for a host running other work on every core: a program
+# that gets a quarter of a core still finishes inside it before it runs out of CPU time.
+WALL_PER_CPU, WALL_SLACK_S = 4.0, 10.0
 # What a program's environment keeps; everything else (tokens, keys, cloud credentials) is dropped.
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -49,17 +59,22 @@ class ProgramLoadError(SandboxFailure):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout_s: float = 10.0  # wall clock for loading the program and every call together
-    cpu_s: int = 10
+    cpu_s: float = 10.0  # CPU seconds for loading the program and every call together: the budget
+    wall_s: float | None = None  # backstop for waiting programs; default WALL_PER_CPU x cpu_s + WALL_SLACK_S
     memory_mb: int = 1024  # address space
     file_mb: int = 16  # largest file the program may write
     processes: int = 64  # RLIMIT_NPROC (counts the user's processes; root is exempt, the audit hook is not)
+
+    @property
+    def wall_backstop_s(self) -> float:
+        return self.wall_s if self.wall_s is not None else WALL_PER_CPU * self.cpu_s + WALL_SLACK_S
 
 
 @dataclass(frozen=True)
 class Verdict:
     status: Literal["passed", "failed", "timeout", "load_error", "error"]
     detail: str = ""
+    cpu_seconds: float = 0.0  # CPU time the program used (loading and every call)
 
     @property
     def passed(self) -> bool:
@@ -86,7 +101,7 @@ class Sandbox:
 
     def __init__(self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None):
         self.limits = limits or SandboxLimits()
-        self.deadline = time.monotonic() + self.limits.timeout_s
+        self.deadline = time.monotonic() + self.limits.wall_backstop_s
         self.folder = tempfile.mkdtemp(prefix="jf-sandbox-")
         self.process = subprocess.Popen(
             [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -94,9 +109,11 @@ class Sandbox:
             start_new_session=True, close_fds=True,
         )  # fmt: skip
         self.seq = 0
+        self.cpu_seconds = 0.0  # CPU time the program has used, as of the last answer or its end
         try:
-            mb = 1 << 20
-            limits = {"RLIMIT_CPU": self.limits.cpu_s, "RLIMIT_AS": self.limits.memory_mb * mb,
+            mb, cpu = 1 << 20, math.ceil(self.limits.cpu_s)
+            # (soft, hard): SIGXCPU at the budget, SIGKILL a second later should the program ignore it
+            limits = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": self.limits.memory_mb * mb,
                       "RLIMIT_FSIZE": self.limits.file_mb * mb, "RLIMIT_NPROC": self.limits.processes, "RLIMIT_CORE": 0}  # fmt: skip
             self._send({"module": module, "program": program, "after": after, "limits": limits})
             answer = self._receive(0)
@@ -120,17 +137,21 @@ class Sandbox:
             self.process.stdin.write(struct.pack("<I", len(data)) + data)
             self.process.stdin.flush()
         except (BrokenPipeError, OSError) as err:
-            raise SandboxFailure(f"the program's process is gone ({self._exit()})") from err
+            raise self._ended("is gone") from err
 
     def _read(self, size: int) -> bytes:
         chunks, fd = [], self.process.stdout.fileno()
         while size:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError(f"the program ran past its {self.limits.timeout_s:g} s limit")
+                self.cpu_seconds = self._cpu_now()
+                raise TimeoutError(
+                    f"the program waited past the {self.limits.wall_backstop_s:g} s wall-clock backstop "
+                    f"(having used {self.cpu_seconds:.1f} s of its {self.limits.cpu_s:g} s CPU budget)"
+                )
             chunk = os.read(fd, size)
             if not chunk:
-                raise SandboxFailure(f"the program's process ended ({self._exit()})")
+                raise self._ended("ended")
             chunks.append(chunk)
             size -= len(chunk)
         return b"".join(chunks)
@@ -145,15 +166,36 @@ class Sandbox:
             raise SandboxFailure(f"unreadable answer from the program: {err}") from err
         if not isinstance(answer, tuple) or not answer or answer[0] != seq:
             raise SandboxFailure("the program's process answered out of turn")
+        self.cpu_seconds = self._cpu_now()
         return answer
 
-    def _exit(self) -> str:
+    def _cpu_now(self) -> float:
+        """User + system CPU seconds of the program's process (readable until it is reaped)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return self.cpu_seconds
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _ended(self, what: str) -> Exception:
+        """The error for a process that went away: a timeout when it ran out of CPU time."""
+        deadline = time.monotonic() + 5  # wait for the exit without reaping, so its CPU time can still be read
+        with contextlib.suppress(ChildProcessError):
+            while os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        self.cpu_seconds = self._cpu_now()
         code = self.process.poll()
+        if code == -signal.SIGXCPU or (code == -signal.SIGKILL and self.cpu_seconds > math.ceil(self.limits.cpu_s) - 0.1):
+            return TimeoutError(f"the program used up its {self.limits.cpu_s:g} s CPU budget")
         if code is None:
-            return "still running"
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return SandboxFailure(f"the program's process {what} (still running)")
+        reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return SandboxFailure(f"the program's process {what} ({reason})")
 
     def close(self) -> None:
+        self.cpu_seconds = self._cpu_now()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # everything it started, too
         self.process.wait()
@@ -210,6 +252,7 @@ def judge(program: str, tests: str, *, context: str = "", after: str = "", entry
     """
     name = f"_jf_tests_{uuid.uuid4().hex}"
     module = type(sys)(name)
+    sandbox = None
     try:
         with Sandbox(program, name, after, limits) as sandbox:
             exec(compile(context, "<context>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
@@ -218,14 +261,15 @@ def judge(program: str, tests: str, *, context: str = "", after: str = "", entry
             for function in entry_points or defined_functions(program):
                 module.__dict__[function] = _proxy(sandbox, function)
             exec(compile(tests, "<tests>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
-        return Verdict("passed")
+        verdict = Verdict("passed")
     except TimeoutError as err:
-        return Verdict("timeout", str(err))
+        verdict = Verdict("timeout", str(err))
     except ProgramLoadError as err:
-        return Verdict("load_error", str(err))
+        verdict = Verdict("load_error", str(err))
     except SandboxFailure as err:
-        return Verdict("error", str(err))
+        verdict = Verdict("error", str(err))
     except AssertionError as err:
-        return Verdict("failed", f"assertion failed {err}".strip())
+        verdict = Verdict("failed", f"assertion failed {err}".strip())
     except Exception as err:  # noqa: BLE001 (a test that cannot run against the program is a failure)
-        return Verdict("failed", f"{type(err).__name__}: {err}")
+        verdict = Verdict("failed", f"{type(err).__name__}: {err}")
+    return dataclasses.replace(verdict, cpu_seconds=sandbox.cpu_seconds if sandbox else 0.0)

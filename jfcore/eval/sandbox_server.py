@@ -95,7 +95,7 @@ def main() -> None:
         os.dup2(null, fd)
     setup = read_message(requests)
     for name, value in setup["limits"].items():  # set here, not in a preexec_fn: the parent may have threads
-        resource.setrlimit(getattr(resource, name), (value, value))
+        resource.setrlimit(getattr(resource, name), tuple(value) if isinstance(value, (tuple, list)) else (value, value))
     module = type(sys)(setup["module"])
     install_guard(os.getcwd())
     try:
