@@ -34,6 +34,8 @@ from jfcore.training.mask import attention_mask
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 FINAL = "final"
+EXPORTS = "exports"  # exports/step-NNNNNNN/: plain checkpoints at TrainConfig.export_steps
+PROGRESS_EVERY_S = 30.0  # rank 0 prints a progress line at most this often (and at the first and last step)
 DEEPSPEED_CONFIG = "deepspeed_config.json"
 FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopped
 COMPLETE = "jf_complete.json"  # written into a checkpoint folder once every rank has saved it
@@ -134,6 +136,7 @@ def train(
         _truncate_metrics(out / METRICS, start)
 
     metrics: dict = {}
+    progress = _Progress(start, total) if rank == 0 else None
     for step in range(start, total):
         began = time.perf_counter()
         lr = scheduler.get_last_lr()[0]  # the rate this step applies
@@ -152,8 +155,10 @@ def train(
             engine.step()
             losses_sum += torch.stack([losses.total.detach(), losses.ar, losses.consistency]).float()
             tokens += batch.tokens
-        sums = torch.cat([losses_sum.double().cpu(), torch.tensor([tokens], dtype=torch.float64)])
+        # On the training device: NCCL reduces only CUDA tensors.
+        sums = torch.cat([losses_sum.double(), torch.tensor([tokens], dtype=torch.float64, device=device)])
         dist.all_reduce(sums)
+        sums = sums.cpu()
         parts = sums[:3] / (world * config.gradient_accumulation_steps)
         grad_norm = engine.get_global_grad_norm()
         grad_norm = own_norm if grad_norm is None else grad_norm
@@ -167,14 +172,40 @@ def train(
                 f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
             if on_metrics is not None:
                 on_metrics(step + 1, metrics)
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == total:
+            progress.report(step + 1, metrics)
+        if step + 1 in config.export_steps:  # checkpointed too, so a resume never starts past a missing export
+            metadata = {"training": to_dict(config), "steps": step + 1, "block_size": data.block_size}
+            _export(engine, tokenizer, out / EXPORTS / f"step-{step + 1:07d}", metadata)
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == total or step + 1 in config.export_steps:
             _save(engine, checkpoints, step + 1, schedule, config.keep_checkpoints)
 
     final = out / FINAL
-    if not (final / "config.json").is_file():  # a rerun of a finished run leaves its export alone
+    exported = (final / "config.json").is_file()  # a rerun of a finished run leaves its export alone
+    # Every rank looks before rank 0 may write it: a rank that looked after would skip the export's
+    # collectives and leave the others waiting on a peer that has gone.
+    dist.barrier()
+    if not exported:
         _export(engine, tokenizer, final, {"training": to_dict(config), "steps": total, "block_size": data.block_size})
     dist.barrier()
     return TrainResult(final_dir=final, steps=total, resumed_from=start, last_metrics=metrics)
+
+
+class _Progress:
+    """One line per PROGRESS_EVERY_S on rank 0: step, losses, throughput and time left (the launcher relays it)."""
+
+    def __init__(self, start: int, total: int):
+        self.start, self.total = start, total
+        self.began = self.last = time.perf_counter()
+
+    def report(self, step: int, metrics: dict) -> None:
+        now = time.perf_counter()
+        if step not in (self.start + 1, self.total) and now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        eta = (now - self.began) / (step - self.start) * (self.total - step)
+        print(f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
+              f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
+              f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {eta / 60:.1f} min", flush=True)  # fmt: skip
 
 
 def _plain_grad_norm(engine) -> float | None:
