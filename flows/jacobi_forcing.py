@@ -16,10 +16,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 
-from flows.recipe import STAGES, Recipe, load_recipe
+from flows.recipe import STAGES, Recipe, StagePlan, load_recipe
 from jfcore.config import ConfigError, from_dict, replace, to_dict
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import MANIFEST, run_key
+from jfcore.training.loop import FINAL
 from tasks.evaluation import evaluate_task
 from tasks.packing import pack_trajectories_task
 from tasks.registry import register_task
@@ -93,29 +94,20 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
     base = resolve_model_task(asdict(config.model))
     log.info(f"model {config.model.name_or_path}: fingerprint {base}")
     result: dict = {"model_fingerprint": base}
+    plans = config.stages()
+    logged: dict = {}
+    for i, plan in enumerate(plans):
+        last = i == len(plans) - 1
+        # A curriculum stage starts from the previous stage's export: its fingerprint anchors the caches.
+        anchor = base if i == 0 else resolve_model_task(asdict(plan.model))
+        # Only the last stage's model is registered; earlier ones are logged in their runs.
+        stage_tracking = tracking if last else replace(tracking, registered_model=None)
+        outcome = _run_stage(config, plan, chosen, resume, stage_tracking, anchor, log)
+        result |= outcome if not config.curriculum else {}
+        result.setdefault("stages", {})[plan.name] = outcome
+        logged = (outcome.get("train") or {}).get("model") or {}
 
-    trajectories = _existing(config.path("trajectories"), "trajectories", chosen)
-    if "trajectories" in chosen:
-        trajectories = _cached(generate_trajectories_task, resume, base, _stamp(config.prompts.path))(
-            asdict(config.model), asdict(config.prompts), asdict(config.trajectory), asdict(config.ray),
-            str(config.path("trajectories")), config.prompts_per_shard,
-        )  # fmt: skip
-    result["trajectories"] = trajectories
-
-    packed = str(config.path("packed"))
-    if "packing" in chosen:
-        result["packing"] = _cached(pack_trajectories_task, resume, base)(trajectories, packed, asdict(config.packing))
-    if tracking.uri:
-        _record_data_stages(config, chosen, tracking, trajectories, packed)
-    train = to_dict(replace(config.train_config(packed), resume=resume))
-    final = str(Path(train["output_dir"]) / "final")
-    if "train" in chosen:  # a finished training is a cache hit; a killed one resumes from its checkpoint
-        result["train"] = _cached(train_task, resume, base, _stamp(packed))(train, to_dict(config.launch),
-                                                                             to_dict(tracking))  # fmt: skip
-    elif not Path(final).is_dir():
-        raise ConfigError(f"stage 'train' skipped, but there is no trained model at {final}; include 'train'")
-    logged = (result.get("train") or {}).get("model") or {}
-
+    final = config.final_model()
     if "evaluate" in chosen:
         trained = resolve_model_task(asdict(config.eval_config(final).models["trained"].model))
         evaluation = to_dict(config.eval_config(final, logged.get("model_uri")))
@@ -131,20 +123,51 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
     return result
 
 
-def _record_data_stages(config: Recipe, chosen: list[str], tracking: TrackingConfig, trajectories: str,
-                        packed: str) -> None:  # fmt: skip
+def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool, tracking: TrackingConfig,
+               anchor: str, log) -> dict:  # fmt: skip
+    """Trajectories, packing and training of one (curriculum) stage."""
+    if config.curriculum:
+        log.info(f"curriculum stage {plan.name}: block size {plan.trajectory.block_size}, window "
+                 f"{plan.packing.window}, from {plan.model.name_or_path}")  # fmt: skip
+    result: dict = {}
+    trajectories = _existing(plan.path("trajectories"), "trajectories", chosen)
+    if "trajectories" in chosen:
+        trajectories = _cached(generate_trajectories_task, resume, anchor, _stamp(plan.prompts.path))(
+            asdict(plan.model), asdict(plan.prompts), asdict(plan.trajectory), asdict(config.ray),
+            str(plan.path("trajectories")), config.prompts_per_shard,
+        )  # fmt: skip
+    result["trajectories"] = trajectories
+
+    packed = str(plan.path("packed"))
+    if "packing" in chosen:
+        result["packing"] = _cached(pack_trajectories_task, resume, anchor)(trajectories, packed, asdict(plan.packing))
+    if tracking.uri:
+        _record_data_stages(config, plan, chosen, tracking, trajectories, packed)
+    train = to_dict(replace(config.train_config(plan, packed), resume=resume))
+    final = Path(train["output_dir"]) / FINAL
+    if "train" in chosen:  # a finished training is a cache hit; a killed one resumes from its checkpoint
+        result["train"] = _cached(train_task, resume, anchor, _stamp(packed))(train, to_dict(config.launch),
+                                                                               to_dict(tracking))  # fmt: skip
+    elif not final.is_dir():
+        raise ConfigError(f"stage 'train' skipped, but there is no trained model at {final}; include 'train'")
+    return result
+
+
+def _record_data_stages(config: Recipe, plan: StagePlan, chosen: list[str], tracking: TrackingConfig,
+                        trajectories: str, packed: str) -> None:  # fmt: skip
     """The data stages' settings, figures and manifests as runs nested under the flow's run."""
+    suffix = f" ({plan.name})" if config.curriculum else ""
     if "trajectories" in chosen:
         manifest = json.loads((Path(trajectories) / MANIFEST).read_text())
         rows = sum(shard["rows"] for shard in manifest["shards"].values())
-        record_stage(tracking, "trajectories", {"model": asdict(config.model), "prompts": asdict(config.prompts),
-                     "trajectory": asdict(config.trajectory), "ray": asdict(config.ray), "folder": trajectories},
+        record_stage(tracking, "trajectories" + suffix, {"model": asdict(plan.model), "prompts": asdict(plan.prompts),
+                     "trajectory": asdict(plan.trajectory), "ray": asdict(config.ray), "folder": trajectories},
                      {"prompts": manifest["num_prompts"], "skipped_too_long": manifest["skipped_too_long"],
                       "shards": len(manifest["shards"]), "blocks": rows}, [Path(trajectories) / MANIFEST])  # fmt: skip
     if "packing" in chosen:
         stats = json.loads((Path(packed) / "stats.json").read_text())
         figures = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        record_stage(tracking, "packing", {"packing": asdict(config.packing), "trajectories": trajectories},
+        record_stage(tracking, "packing" + suffix, {"packing": asdict(plan.packing), "trajectories": trajectories},
                      figures, [Path(packed) / "stats.json"])  # fmt: skip
 
 

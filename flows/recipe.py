@@ -14,6 +14,17 @@ stage's output under `work_dir`), so a recipe names only choices:
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
     gate: {max_accuracy_drop: 0.01, min_speedup_gain: 0.0}
     schedule: {cron: "0 3 * * 0"}
+
+A block-size curriculum lists stages; each one generates trajectories with the previous
+stage's trained model (the first with `model`) at its block size, packs them with its
+window and trains from that model, under `work_dir/<stage name>/`:
+
+    curriculum:
+      - {name: n16, block_size: 16, window: 16}
+      - {name: n32, block_size: 32, window: 16, train: {learning_rate: 5.0e-6}}
+
+Without `curriculum` there is one stage, with `trajectory`, `packing` and `train` as given,
+under `work_dir/` itself. Evaluation compares the base model with the last stage's model.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from jfcore.models import ModelConfig
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
 from jfcore.training.config import TrainConfig
+from jfcore.training.loop import FINAL
 from jfcore.trajectories import TrajectoryConfig
 from tasks.ray_workers import RayConfig
 from tasks.registry import GateConfig
@@ -57,6 +69,39 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class CurriculumStage:
+    """One stage of a block-size curriculum: `block_size` and `window` over the recipe's trajectory and packing
+    settings, `train` keys over the recipe's train keys."""
+
+    name: str  # its folder under work_dir (and its label in logs and MLflow), e.g. n16
+    block_size: int
+    window: int | None = None  # packing window; default packing.window
+    max_new_tokens: int | None = None  # trajectory length; default trajectory.max_new_tokens
+    prompts_limit: int | None = None  # the first this many prompts of the (shuffled) set; default prompts.limit
+    train: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(bool(self.name) and "/" not in self.name, f"name: {self.name!r} must be a plain folder name")
+        check(self.prompts_limit is None or self.prompts_limit >= 1, f"prompts_limit: must be >= 1, got {self.prompts_limit}")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage of the pipeline trains: resolved from the recipe (and its curriculum)."""
+
+    name: str
+    folder: Path  # trajectories/, packed/ and train/ are under it
+    model: ModelConfig  # the model it decodes trajectories with and trains from
+    prompts: PromptSource
+    trajectory: TrajectoryConfig
+    packing: PackingConfig
+    train: dict[str, Any]
+
+    def path(self, part: str) -> Path:
+        return self.folder / part
+
+
+@dataclass(frozen=True)
 class Recipe:
     work_dir: str  # every stage writes under it: trajectories/, packed/, train/, eval/
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -71,6 +116,7 @@ class Recipe:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    curriculum: tuple[CurriculumStage, ...] = ()  # empty: one stage with trajectory, packing and train as given
 
     def __post_init__(self) -> None:
         check(bool(self.work_dir), "work_dir: must not be empty")
@@ -78,16 +124,43 @@ class Recipe:
         check(not linked, f"train.{linked[0] if linked else ''}: set by the flow from the other stages; "
                            "remove it (the model is the recipe's `model`)")  # fmt: skip
         check(self.prompts_per_shard >= 1, f"prompts_per_shard: must be >= 1, got {self.prompts_per_shard}")
-        self.train_config()  # unknown or invalid train keys fail here, at load
+        names = [s.name for s in self.curriculum]
+        check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
+        for stage in self.curriculum:
+            linked = sorted(set(stage.train) & set(FLOW_LINKED))
+            check(not linked, f"curriculum[{stage.name}].train.{linked[0] if linked else ''}: set by the flow; remove it")
+        for plan in self.stages():  # unknown or invalid train keys (and stage values) fail here, at load
+            self.train_config(plan)
         self.eval_config("trained")
 
     def path(self, stage: str) -> Path:
         return Path(self.work_dir).expanduser().resolve() / stage
 
-    def train_config(self, data: str = "-") -> TrainConfig:
-        model = replace(self.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
-        return from_dict(TrainConfig, {**self.train, "data": data, "output_dir": str(self.path("train")),
-                                       "model": model}, "train")  # fmt: skip
+    def stages(self) -> list[StagePlan]:
+        """The training stages in order: the curriculum's, or the one the recipe describes."""
+        root = Path(self.work_dir).expanduser().resolve()
+        if not self.curriculum:
+            return [StagePlan("train", root, self.model, self.prompts, self.trajectory, self.packing, self.train)]
+        plans, model = [], self.model
+        for stage in self.curriculum:
+            trajectory = replace(self.trajectory, block_size=stage.block_size,
+                                 max_new_tokens=stage.max_new_tokens or self.trajectory.max_new_tokens)  # fmt: skip
+            packing = replace(self.packing, window=stage.window or self.packing.window)
+            prompts = replace(self.prompts, limit=stage.prompts_limit or self.prompts.limit)
+            plans.append(StagePlan(stage.name, root / stage.name, model, prompts, trajectory, packing,
+                                   self.train | stage.train))  # fmt: skip
+            # the next stage starts from this one's trained model
+            model = replace(self.model, name_or_path=str(root / stage.name / "train" / FINAL), gguf_file=None)
+        return plans
+
+    def final_model(self) -> str:
+        """Where the last stage exports its trained model."""
+        return str(self.stages()[-1].path("train") / FINAL)
+
+    def train_config(self, plan: StagePlan, data: str = "-") -> TrainConfig:
+        model = replace(plan.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
+        return from_dict(TrainConfig, {**plan.train, "data": data, "output_dir": str(plan.path("train")),
+                                       "model": model}, f"train ({plan.name})" if self.curriculum else "train")  # fmt: skip
 
     def eval_config(self, trained: str, model_uri: str | None = None) -> EvalConfig:
         e = self.evaluation

@@ -193,7 +193,24 @@ def _load(source: PromptSource):
         raise PromptSourceError(f"prompt source '{source.path}' is local: `config` and `split` apply to hub ids only")
     files = _data_files(path)
     try:
-        dataset = datasets.load_dataset(_kind(files[0]), data_files=[str(f) for f in files], split="train")
-    except Exception as err:  # malformed JSON, mismatched columns, a truncated Parquet file
+        parts = [datasets.load_dataset(_kind(f), data_files=[str(f)], split="train") for f in files]
+    except Exception as err:  # malformed JSON, a truncated Parquet file
         raise PromptSourceError(f"could not read prompts from {path}: {_reason(err, files)}") from err
-    return dataset, BUILTIN if source.path == BUILTIN else re.sub(r"(\.[a-z]+)+$", "", path.name)
+    return _concatenate(parts, files, source), BUILTIN if source.path == BUILTIN else re.sub(r"(\.[a-z]+)+$", "", path.name)
+
+
+def _concatenate(parts: list, files: list[Path], source: PromptSource):
+    """One dataset of a folder's files; files with other columns beside the prompt's contribute just it (and its id)."""
+    import datasets
+
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.column_names != parts[0].column_names for p in parts):
+        wanted = [c for c in (source.field, source.id_field) if c]
+        for f, part in zip(files, parts):
+            for column in wanted:
+                if column not in part.column_names:
+                    raise PromptSourceError(f"prompt file {f} has no column '{column}'; available: "
+                                            f"{', '.join(part.column_names)}")  # fmt: skip
+        parts = [p.select_columns(wanted) for p in parts]
+    return datasets.concatenate_datasets(parts)

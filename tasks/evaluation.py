@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
@@ -31,11 +30,12 @@ from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint,
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
-from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
+from tasks.orchestration import get_run_logger, task
+from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
 
 REPORT = "report"  # the folder, inside the run folder, that write_report fills
-METRICS = ("accuracy", "tpf", "tps", "decode_tps", "speedup", "exact")
+METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
 
 
 class EvalWorker:
@@ -72,7 +72,7 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
     models = {label: asdict(m) | {"model": asdict(with_absolute_path(m.model))} for label, m in config.models.items()}
     with ray_session(ray_config):
         workers = start_workers(EvalWorker, ray_config, models, asdict(config.decoding))
-        prints = ray.get(workers[0].fingerprints.remote())
+        prints = get(workers[0].fingerprints.remote())
         for label, fp in prints.items():
             if fp["tokenizer"] != tokenizers[label]:
                 raise ModelLoadError(f"model {label!r}: the workers loaded another tokenizer than the driver; "
@@ -82,6 +82,7 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
             "problems": _digest([(p.benchmark, p.id, p.prompt) for p in problems]),
             "decoding": asdict(config.decoding),
             "problems_per_shard": config.problems_per_shard,
+            "sample_columns": SAMPLE_SCHEMA.names,  # shards written with other columns are not reused
         }  # fmt: skip
         folder = Path(config.output_dir).resolve() / run_key(**settings)
         specs = plan_shards(len(problems), config.problems_per_shard)

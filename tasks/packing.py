@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect import get_run_logger, task
-
 from jfcore.config import from_dict
 from jfcore.packing import PackingConfig, PackingError, pack_shards
 from jfcore.shards import MANIFEST
+from tasks.orchestration import get_run_logger, task
 
 
 def pack_trajectories(trajectories: str | Path, out_dir: str | Path, config: PackingConfig) -> dict:

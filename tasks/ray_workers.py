@@ -1,13 +1,24 @@
-"""Ray for the stages that fan out over model replicas: where it runs, and one local Ray per stage if none is up."""
+"""Ray for the stages that fan out over model replicas: where it runs, and one local Ray per stage if none is up.
+
+Without Ray (not installed, or `address: none`), a stage runs its worker in this process, or
+with `num_workers` > 1 each worker in a spawned process of its own (several model replicas
+on one GPU keep it busy where batch-1 decoding alone would not), through the same calls
+(`worker.method.remote(...)`, `get`), so `bench.campaign` can run the stage functions on a
+machine that has only torch and transformers.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from jfcore.config import check
 from jfcore.shards import ShardSpec, completed_shards, record_shard, remove_stale_temporaries
@@ -16,12 +27,12 @@ from jfcore.shards import ShardSpec, completed_shards, record_shard, remove_stal
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray
+NO_RAY = "none"  # RayConfig.address: run one worker in this process
 
 
 @dataclass(frozen=True)
 class RayConfig:
-    address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster
+    address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster; "none": no Ray
     num_workers: int = 1  # model replicas
     cpus_per_worker: int = 1
     gpus_per_worker: float = 0.0  # 1 per replica on GPU machines
@@ -32,10 +43,23 @@ class RayConfig:
         check(self.cpus_per_worker >= 1, f"cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         check(self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
 
+    @property
+    def in_process(self) -> bool:
+        return self.address == NO_RAY or (self.address is None and importlib.util.find_spec("ray") is None)
+
 
 @contextlib.contextmanager
 def ray_session(config: RayConfig) -> Iterator[None]:
     """Use the Ray this process is connected to, else connect (or start a local one) for the block."""
+    if config.in_process:
+        try:
+            yield
+        finally:  # a worker process holds its model (and GPU memory) until it ends
+            while _process_workers:
+                _process_workers.pop().stop()
+        return
+    import ray
+
     if ray.is_initialized():
         yield
         return
@@ -48,8 +72,77 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         ray.shutdown()
 
 
+class _Deferred:
+    """An in-process call, made when its result is asked for (as a Ray task runs when scheduled)."""
+
+    def __init__(self, method: Callable, args: tuple, kwargs: dict):
+        self.method, self.args, self.kwargs = method, args, kwargs
+
+    def result(self):
+        return self.method(*self.args, **self.kwargs)
+
+
+class InProcessWorker:
+    """A worker object in this process, called the way a Ray actor is: `worker.method.remote(...)`."""
+
+    def __init__(self, target: object):
+        self._target = target
+
+    def __getattr__(self, name: str):
+        method = getattr(self._target, name)
+        return SimpleNamespace(remote=lambda *args, **kwargs: _Deferred(method, args, kwargs))
+
+
+_hosted: object = None  # the worker object, in a worker process
+_process_workers: list[ProcessWorker] = []  # started in this process, stopped when their session ends
+
+
+def _host(cls: type, args: tuple) -> None:
+    global _hosted
+    _hosted = cls(*args)
+
+
+def _call(name: str, args: tuple, kwargs: dict):
+    return getattr(_hosted, name)(*args, **kwargs)
+
+
+class ProcessWorker:
+    """A worker object in a spawned process of its own, called the way a Ray actor is; calls return futures."""
+
+    def __init__(self, cls: type, args: tuple):
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_host, initargs=(cls, args))
+        _process_workers.append(self)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return SimpleNamespace(remote=lambda *args, **kwargs: self._pool.submit(_call, name, args, kwargs))
+
+    def stop(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+def get(refs):
+    """`ray.get` for Ray refs and in-process calls alike (one, or a list)."""
+    if isinstance(refs, list):
+        return [get(r) for r in refs]
+    if isinstance(refs, _Deferred | Future):
+        return refs.result()
+    import ray
+
+    return ray.get(refs)
+
+
 def start_workers(cls: type, config: RayConfig, *args) -> list:
-    """`config.num_workers` actors of `cls(*args, threads)`; a killed one comes back and redoes its task."""
+    """`config.num_workers` actors of `cls(*args, threads)`; a killed one comes back and redoes its task.
+    Without Ray: one `cls` instance in this process, or one worker process per replica."""
+    if config.in_process and config.num_workers == 1:
+        return [InProcessWorker(cls(*args, config.cpus_per_worker))]
+    if config.in_process:
+        return [ProcessWorker(cls, (*args, config.cpus_per_worker)) for _ in range(config.num_workers)]
+    import ray
+
     actor = ray.remote(cls).options(
         num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, max_restarts=2, max_task_retries=2
     )
@@ -69,12 +162,35 @@ def fill_shards(folder: Path, specs: list[ShardSpec], workers: list, submit: Cal
     todo = [s for s in specs if s.name not in done]
     log(f"run folder {folder}: {len(done)}/{len(specs)} shards already complete, {len(todo)} to make")
     start = time.perf_counter()
-    pending = {submit(workers[i % len(workers)], spec): spec for i, spec in enumerate(todo)}
     finished = len(done)
+
+    def landed(record) -> None:
+        nonlocal finished
+        record_shard(folder, record, settings)
+        finished += 1
+        elapsed, made = time.perf_counter() - start, finished - len(done)
+        eta = elapsed / made * (len(specs) - finished)
+        log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows "
+            f"({elapsed:.0f} s, ETA {eta:.0f} s)")  # fmt: skip
+
+    if workers and isinstance(workers[0], InProcessWorker):
+        for i, spec in enumerate(todo):
+            landed(get(submit(workers[i % len(workers)], spec)))
+        return
+    if workers and isinstance(workers[0], ProcessWorker):  # the next shard goes to the first idle worker
+        running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}
+        while running:
+            finished_now, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished_now:
+                worker = running.pop(future)
+                landed(future.result())
+                if todo:
+                    running[submit(worker, todo.pop(0))] = worker
+        return
+    import ray
+
+    pending = {submit(workers[i % len(workers)], spec): spec for i, spec in enumerate(todo)}
     while pending:
         [ref], _ = ray.wait(list(pending), num_returns=1)
         pending.pop(ref)
-        record = ray.get(ref)
-        record_shard(folder, record, settings)
-        finished += 1
-        log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows ({time.perf_counter() - start:.0f} s)")
+        landed(ray.get(ref))

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefect import get_run_logger, task
-
 from jfcore.config import check, from_dict
 from jfcore.eval.report import ALL
+from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client
 
 CHALLENGER, CHAMPION = "challenger", "champion"

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prefect import get_run_logger, task
 
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, check, from_dict, replace, to_dict
@@ -39,6 +38,7 @@ from jfcore.training.loop import (
 )
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
+from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"

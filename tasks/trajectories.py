@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import get_run_logger, task
-
 from jfcore.config import from_dict
 from jfcore.models import ModelConfig, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint
 from jfcore.prompts import PromptSource, encode_prompts
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
-from tasks.ray_workers import RayConfig, fill_shards, ray, ray_session, start_workers
+from tasks.orchestration import get_run_logger, task
+from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 
 
 class TrajectoryWorker:
@@ -70,8 +69,8 @@ def generate_trajectories(
 
 def _run(model, prompt_set, tokenizer, trajectory, ray_config, out_dir, prompts_per_shard, log) -> Path:
     workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
-    model_fp, tokenizer_fp = ray.get(workers[0].fingerprints.remote())
-    log(f"{len(workers)} workers ready (pids {ray.get([w.pid.remote() for w in workers])})")
+    model_fp, tokenizer_fp = get(workers[0].fingerprints.remote())
+    log(f"{len(workers)} workers ready (pids {get([w.pid.remote() for w in workers])})")
     if tokenizer_fp != tokenizer_fingerprint(tokenizer):
         raise RuntimeError("the workers loaded a different tokenizer than the driver; check the model path")
     settings = {

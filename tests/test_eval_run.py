@@ -76,7 +76,7 @@ def test_every_model_method_and_problem_is_decoded_scored_and_exact(setup, evalu
     # Each score is what the benchmark's own scoring path says of the stored completion.
     by_id = {p.id: p for p in problems}
     for s in samples[:: len(METHODS)]:
-        assert (s["correct"], s["detail"]) == by_id[s["problem_id"]].score(s["completion"])
+        assert (s["correct"], s["verdict"], s["detail"]) == by_id[s["problem_id"]].score(s["completion"])
     # TPF: greedy decodes one token per forward after the prefill; a parallel method never fewer.
     for s in samples:
         assert s["tpf"] == pytest.approx(s["new_tokens"] / max(s["decode_forwards"], 1))
@@ -134,7 +134,7 @@ def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):
     linked = {(m.key, m.dataset_name): m.value for m in mlflow.get_logged_model(model_id).metrics}
     assert linked[("gsm8k/jacobi/tpf", "gsm8k")] == pytest.approx(row["tpf"])
     assert ("humaneval/hf_greedy/accuracy", "humaneval") in linked and ("all/multiblock/exact", "all") in linked
-    assert len(linked) == 3 * len(METHODS) * 6  # the trained model's rows only: 3 benchmarks x 3 methods x 6
+    assert len(linked) == 3 * len(METHODS) * 7  # the trained model's rows only: 3 benchmarks x 3 methods x 7 figures
 
 
 def test_a_rerun_reuses_every_shard_and_a_lost_one_is_redone(setup, evaluated):

@@ -69,6 +69,23 @@ def test_local_jsonl_parquet_and_folder(tmp_path):
     ]
 
 
+def test_a_folder_of_files_with_other_columns_gives_each_files_prompts(tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"question": "q0", "answer": "1"}, {"question": "q1", "answer": "2"}])
+    write_jsonl(folder / "b.jsonl", [{"question": "q2", "tests": ["assert f()"], "name": "x"}])
+    assert load_prompt_texts(PromptSource(str(folder), field="question")) == [
+        ("mixed:0", "q0"), ("mixed:1", "q1"), ("mixed:2", "q2")]  # fmt: skip
+    write_jsonl(folder / "c.jsonl", [{"text": "no question here"}])
+    with pytest.raises(PromptSourceError, match=r"c.jsonl has no column 'question'; available: text"):
+        load_prompt_texts(PromptSource(str(folder), field="question"))
+
+
+def test_the_shared_prompt_folder_loads_whole():
+    prompts = load_prompt_texts(PromptSource(str(default_data_dir() / "prompts")))
+    assert len(prompts) == 7471 + 4480 + 456 + 1715 and len({t for _, t in prompts}) > 14000
+
+
 def test_shuffle_and_limit_are_deterministic(tmp_path):
     path = str(write_jsonl(tmp_path / "qs.jsonl", ROWS))
     first = load_prompt_texts(PromptSource(path, field="question", shuffle_seed=3, limit=4))

@@ -23,7 +23,8 @@ def test_unknown_and_invalid_keys_are_named():
         from_dict(TrainConfig, {"output_dir": "o"})
     for key, value, message in [("micro_batch_size", 0, "micro_batch_size"), ("learning_rate", -1.0, "learning_rate"),
                                 ("warmup_ratio", 1.5, "warmup_ratio"), ("temperature", 0.0, "temperature"),
-                                ("precision", "fp8", "precision"), ("betas", [0.9], "betas")]:  # fmt: skip
+                                ("precision", "fp8", "precision"), ("betas", [0.9], "betas"),
+                                ("export_steps", [10, 0], "export_steps")]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             from_dict(TrainConfig, {"data": "d", "output_dir": "o", key: value})
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from jfcore.config import ConfigError, replace
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, ModelLoadError
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError
@@ -142,7 +143,7 @@ def kill_rank_1_at(output_dir: Path, step: int) -> tuple[threading.Thread, list[
     killed: list[int] = []
 
     def kill() -> None:
-        deadline = time.time() + 900
+        deadline = time.time() + scaled(900)
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
         pid = rank_processes(output_dir / "launch.json").get(1)

@@ -13,12 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 from tiny_models import save_tiny_checkpoint
 
+from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, load_model, model_fingerprint
 from jfcore.prompts import PromptSource
 from jfcore.trajectories import TrajectoryConfig
 from tasks.trajectories import RayConfig, generate_trajectories
 
 NUM_PROMPTS = 8
+TWO_RAY_WORKERS = RayConfig(num_workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,12 @@ def prompt_file(tmp_path_factory) -> Path:
     return path
 
 
-def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2):
+def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, ray=TWO_RAY_WORKERS):
     return generate_trajectories(
         ModelConfig(str(tiny_checkpoint)),
         PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
         TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
-        RayConfig(num_workers=2),
+        ray,
         out_dir,
         prompts_per_shard=prompts_per_shard,
         log=log,
@@ -79,6 +81,16 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     assert any("2/4 shards already complete, 2 to make" in line for line in lines)
     assert (folder / "shard-00000.parquet").stat().st_mtime_ns == mtimes["shard-00000.parquet"]
     assert sorted(map(str, rows_of(folder))) == sorted(map(str, rows))
+
+
+def test_without_ray_two_worker_processes_write_what_ray_writes(tiny_checkpoint, prompt_file, tmp_path):
+    with_ray = run(tiny_checkpoint, prompt_file, tmp_path / "ray")
+    lines: list[str] = []
+    without = run(tiny_checkpoint, prompt_file, tmp_path / "none", lines.append, ray=RayConfig(address="none", num_workers=2))
+    pids = [int(p) for p in re.search(r"2 workers ready \(pids \[(\d+), (\d+)\]\)", "\n".join(lines)).groups()]
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # each replica in a process of its own
+    assert without.name == with_ray.name  # the same settings, so the same run key
+    assert sorted(map(str, rows_of(without))) == sorted(map(str, rows_of(with_ray)))
 
 
 def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path):
@@ -129,11 +141,11 @@ def kill_one_worker_midway(generate) -> Path:
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(folder=generate(log)))
     thread.start()
-    assert first_shard.wait(timeout=600)
+    assert first_shard.wait(timeout=scaled(600))
     ready = next(line for line in lines if "workers ready" in line)
     pids = [int(p) for p in re.findall(r"\d+", ready.split("pids")[1])]
     os.kill(pids[1], signal.SIGKILL)
-    thread.join(timeout=900)
+    thread.join(timeout=scaled(900))
     return result["folder"]
 
 

@@ -1,0 +1,210 @@
+"""The campaign's results: JSON, a Markdown summary and two plots, from what the phases wrote.
+
+- learning curve: per point (base, each export, each stage's final model), training tokens and
+  steps so far, and per benchmark and method: TPF, speedup over the point's own HF greedy
+  (measured side by side), accuracy, exactness, the first token that differs from greedy,
+  and the decoder's own overhead (share of decode time outside model forwards);
+- throughput: trajectory tokens/s, training tokens/s (and MFU on a known accelerator);
+- the final side-by-side evaluation and the float32 exactness check, when run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from jfcore.config import ConfigError
+from jfcore.eval.report import ALL
+
+PARALLEL = ("jacobi", "multiblock")
+
+
+def sample_figures(report_dir: str | Path) -> dict[tuple[str, str, str], dict]:
+    """(benchmark, model, method) -> first divergence and decoder overhead, from samples.parquet ("all" pooled)."""
+    samples = pq.read_table(Path(report_dir) / "samples.parquet").to_pylist()
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for s in samples:
+        for benchmark in (s["benchmark"], ALL):
+            groups.setdefault((benchmark, s["model"], s["method"]), []).append(s)
+    figures = {}
+    for key, rows in groups.items():
+        decode = sum(r["decode_seconds"] for r in rows)
+        forward = sum(r["forward_seconds"] for r in rows)
+        divergences = [r["first_divergence"] for r in rows if not r["exact"]]
+        figures[key] = {
+            "overhead": 1 - forward / decode if decode > 0 else None,
+            "diverged": len(divergences),
+            "first_divergence_min": min(divergences) if divergences else None,
+        }
+    return figures
+
+
+def curve_rows(campaign, evaluation: dict, training: dict) -> list[dict]:
+    """One row per (point, benchmark, method) of the learning curve, training tokens included."""
+    from bench.campaign import curve_points
+
+    tokens_before, rows = 0, []
+    stage_tokens: dict[str, list[int]] = {}
+    for plan in campaign.recipe.stages():
+        steps = training.get(plan.name, {}).get("tokens_by_step", [])
+        stage_tokens[plan.name] = [tokens_before + sum(steps[:i]) for i in range(len(steps) + 1)]
+        tokens_before += sum(steps)
+    for point in curve_points(campaign):
+        result = evaluation["curve"].get(point["label"])
+        if result is None:
+            continue
+        cumulative = stage_tokens.get(point["stage"], [0])
+        tokens = cumulative[min(point["step"], len(cumulative) - 1)]
+        extra = sample_figures(result["report"])
+        for row in result["table"]:
+            rows.append({"point": point["label"], "stage": point["stage"], "step": point["step"],
+                         "train_tokens": tokens, "block_size": point["block_size"], **_cells(row),
+                         **extra.get((row["benchmark"], row["model"], row["method"]), {})})  # fmt: skip
+    return rows
+
+
+def _cells(row: dict) -> dict:
+    keys = ("benchmark", "method", "samples", "accuracy", "timeouts", "tpf", "tps", "speedup", "exact")
+    return {k: row.get(k) for k in keys}
+
+
+def phase_figures(state: dict, campaign) -> dict:
+    """Seconds per phase (summed over invocations) and trajectory throughput in generated tokens/s."""
+    figures = {phase: {"seconds": sum(i["seconds"] for i in runs), "invocations": len(runs)} for phase, runs in state.items()}
+    from bench.campaign import latest_trajectories
+
+    for plan in campaign.recipe.stages():
+        key = f"trajectories/{plan.name}"
+        try:
+            folder = latest_trajectories(plan)
+        except ConfigError:  # not generated (yet)
+            continue
+        generated = sum(sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())
+                        for p in sorted(folder.glob("shard-*.parquet")))  # fmt: skip
+        entry = figures.setdefault(key, {"seconds": None})
+        entry["generated_tokens"] = generated
+        if entry.get("seconds"):
+            entry["tokens_per_second"] = generated / entry["seconds"]
+    return figures
+
+
+def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluation: dict, env: dict) -> str:
+    lines = [f"# Campaign `{Path(campaign.source).stem}`", "",
+             f"Reproduce: `{campaign.command}`.", "",
+             f"Machine: {env.get('gpu') or env['processor']} ({env['cores']} cores), torch {env['torch']}, "
+             f"transformers {env['transformers']}, Python {env['python']}.", ""]  # fmt: skip
+    stages = campaign.recipe.stages()
+    lines += ["Stages: " + "; ".join(f"{p.name}: n={p.trajectory.block_size}, window {p.packing.window}, from "
+                                     f"{Path(p.model.name_or_path).name}" for p in stages), ""]  # fmt: skip
+    lines += ["## Throughput", "", "| phase | seconds | figure |", "|---|---:|---|"]
+    for phase, f in phases.items():
+        figure = f"{f['tokens_per_second']:.0f} generated tokens/s ({f['generated_tokens']} tokens)" \
+            if f.get("tokens_per_second") else ""  # fmt: skip
+        if phase.startswith("train/") and phase.split("/", 1)[1] in training:
+            t = training[phase.split("/", 1)[1]]
+            if t.get("tokens_per_second"):
+                figure = f"{t['tokens_per_second']:.0f} training tokens/s (median step), {t['tokens']} tokens, {t['steps']} steps"
+                figure += f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") else ""
+        seconds = f"{f['seconds']:.0f}" if f.get("seconds") is not None else "-"
+        lines.append(f"| {phase} | {seconds} | {figure} |")
+    if curve:
+        lines += ["", "## Learning curve (pooled over benchmarks)", "",
+                  "Each point is decoded with its stage's block size; speedup is against the same model's HF greedy, "
+                  "measured side by side.", "",
+                  "| point | training tokens | method | TPF | speedup | accuracy | = greedy | first diff (min) | overhead |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        pooled = [r for r in curve if r["benchmark"] == ALL] or curve
+        for r in pooled:
+            if r["method"] == "hf_greedy":
+                continue
+            lines.append(f"| {r['point']} | {r['train_tokens']:,} | {r['method']} | {r['tpf']:.3f} | {_x(r['speedup'])} "
+                         f"| {r['accuracy']:.1%} | {r['exact']:.0%} | {_or_dash(r.get('first_divergence_min'))} "
+                         f"| {_pct(r.get('overhead'))} |")  # fmt: skip
+        lines += ["", "Per benchmark (TPF jacobi / multiblock):", "", "| point | " + " | ".join(_benchmarks(curve)) + " |",
+                  "|---|" + "---:|" * len(_benchmarks(curve))]  # fmt: skip
+        for point in dict.fromkeys(r["point"] for r in curve):
+            cells = []
+            for b in _benchmarks(curve):
+                tpf = {r["method"]: r["tpf"] for r in curve if r["point"] == point and r["benchmark"] == b}
+                cells.append(" / ".join(f"{tpf[m]:.3f}" for m in PARALLEL if m in tpf))
+            lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    for title, key in (("Final evaluation: base vs trained, side by side", "final"),
+                       ("Float32 exactness check", "fp32_check")):  # fmt: skip
+        if evaluation.get(key):
+            report = Path(evaluation[key]["report"]) / "results.md"
+            lines += ["", f"## {title}", "", report.read_text().strip() if report.is_file() else "(missing)"]
+    return "\n".join(lines) + "\n"
+
+
+def _benchmarks(curve: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["benchmark"] for r in curve))
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def plot_curve(curve: list[dict], path: Path) -> None:
+    """TPF (and speedup) of the parallel methods against training tokens, pooled and per benchmark."""
+    from matplotlib.figure import Figure
+
+    benchmarks = _benchmarks(curve)
+    fig = Figure(figsize=(4.2 * 2, 3.6 * len(benchmarks)), layout="constrained")
+    axes = fig.subplots(len(benchmarks), 2, squeeze=False)
+    for (tpf_ax, speed_ax), benchmark in zip(axes, benchmarks):
+        for i, method in enumerate(PARALLEL):
+            rows = [r for r in curve if r["benchmark"] == benchmark and r["method"] == method]
+            xs = [r["train_tokens"] for r in rows]
+            tpf_ax.plot(xs, [r["tpf"] for r in rows], marker="o", color=f"C{i}", label=method)
+            speed_ax.plot(xs, [r["speedup"] or 0 for r in rows], marker="o", color=f"C{i}", label=method)
+        tpf_ax.set(title=f"{benchmark}: tokens per forward", xlabel="training tokens", ylabel="TPF")
+        speed_ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        speed_ax.set(title=f"{benchmark}: speedup vs HF greedy", xlabel="training tokens", ylabel="speedup (x)")
+        for ax in (tpf_ax, speed_ax):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def plot_speed_accuracy(curve: list[dict], path: Path) -> None:
+    """Pooled speedup against accuracy, one point per (curve point, method)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    pooled = [r for r in curve if r["benchmark"] == ALL] or curve
+    for i, method in enumerate(("hf_greedy", *PARALLEL)):
+        rows = [r for r in pooled if r["method"] == method]
+        ax.scatter([r["speedup"] or 0 for r in rows], [100 * r["accuracy"] for r in rows], color=f"C{i}", label=method)
+        for r in rows:
+            ax.annotate(r["point"], (r["speedup"] or 0, 100 * r["accuracy"]), fontsize=6, alpha=0.7)
+    ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="speedup vs the point's HF greedy (x)", ylabel="accuracy (%)", title="Speed against accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def write_report(folder: Path, campaign, evaluation: dict, training: dict, state: dict, env: dict) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    curve = curve_rows(campaign, evaluation, training) if evaluation.get("curve") else []
+    phases = phase_figures(state, campaign)
+    results = {"profile": campaign.source, "command": campaign.command, "environment": env, "phases": phases,
+               "training": {k: {n: v for n, v in t.items() if n not in ("tokens_by_step",)} for k, t in training.items()},
+               "curve": curve, "final": evaluation.get("final"), "fp32_check": evaluation.get("fp32_check")}  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (folder / "results.md").write_text(markdown(campaign, curve, phases, training, evaluation, env))
+    if curve:
+        plot_curve(curve, folder / "tpf_vs_training_tokens.png")
+        plot_speed_accuracy(curve, folder / "speedup_vs_accuracy.png")
+    return results
