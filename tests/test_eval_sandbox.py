@@ -124,7 +124,7 @@ def test_a_timeout_says_which_limit_ended_it():
     budget = SandboxLimits(cpu_s=2)  # and the default wall-clock backstop, 18 s: a loaded host reaches 2 CPU s first
     spins = judge("def f(x):\n    while True:\n        pass\n", TEST, limits=budget)
     assert spins.status == "timeout" and "used up its 2 s CPU budget" in spins.detail, spins
-    assert spins.cpu_seconds > 1.9  # clock-tick resolution
+    assert spins.cpu_seconds > 1.5  # /proc samples CPU time by clock ticks: 1.87 s was read on a loaded host
     # Ignoring SIGXCPU does not help: the hard limit kills it a second later.
     ignores = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
     ignored = judge(ignores, TEST, limits=budget)
