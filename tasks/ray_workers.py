@@ -72,16 +72,6 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         ray.shutdown()
 
 
-class _Deferred:
-    """An in-process call, made when its result is asked for (as a Ray task runs when scheduled)."""
-
-    def __init__(self, method: Callable, args: tuple, kwargs: dict):
-        self.method, self.args, self.kwargs = method, args, kwargs
-
-    def result(self):
-        return self.method(*self.args, **self.kwargs)
-
-
 class InProcessWorker:
     """A worker object in this process, called the way a Ray actor is: `worker.method.remote(...)`."""
 
@@ -90,7 +80,14 @@ class InProcessWorker:
 
     def __getattr__(self, name: str):
         method = getattr(self._target, name)
-        return SimpleNamespace(remote=lambda *args, **kwargs: _Deferred(method, args, kwargs))
+        return SimpleNamespace(remote=lambda *args, **kwargs: _run_now(method, args, kwargs))
+
+
+def _run_now(method: Callable, args: tuple, kwargs: dict) -> Future:
+    """The call, made now (an error is raised here); its result in a finished future, as a process worker's."""
+    future: Future = Future()
+    future.set_result(method(*args, **kwargs))
+    return future
 
 
 _hosted: object = None  # the worker object, in a worker process
@@ -127,7 +124,7 @@ def get(refs):
     """`ray.get` for Ray refs and in-process calls alike (one, or a list)."""
     if isinstance(refs, list):
         return [get(r) for r in refs]
-    if isinstance(refs, _Deferred | Future):
+    if isinstance(refs, Future):
         return refs.result()
     import ray
 
@@ -173,11 +170,7 @@ def fill_shards(folder: Path, specs: list[ShardSpec], workers: list, submit: Cal
         log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows "
             f"({elapsed:.0f} s, ETA {eta:.0f} s)")  # fmt: skip
 
-    if workers and isinstance(workers[0], InProcessWorker):
-        for i, spec in enumerate(todo):
-            landed(get(submit(workers[i % len(workers)], spec)))
-        return
-    if workers and isinstance(workers[0], ProcessWorker):  # the next shard goes to the first idle worker
+    if workers and isinstance(workers[0], InProcessWorker | ProcessWorker):  # the next shard to the first idle worker
         running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}
         while running:
             finished_now, _ = wait(running, return_when=FIRST_COMPLETED)
