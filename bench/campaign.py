@@ -136,16 +136,20 @@ def run_trajectories(campaign: Campaign, plan: StagePlan, log: Log) -> str:
     from tasks.trajectories import generate_trajectories
 
     r = campaign.recipe
-    folder = generate_trajectories(plan.model, plan.prompts, plan.trajectory, r.ray, plan.path("trajectories"),
-                                   r.prompts_per_shard, log=log)  # fmt: skip
-    return str(folder)
+    selection = generate_trajectories(plan.model, plan.prompts, plan.trajectory, r.ray, plan.path("trajectories"),
+                                      r.prompts_per_shard, log=log)  # fmt: skip
+    return str(selection)
 
 
 def latest_trajectories(plan: StagePlan) -> Path:
-    done = [p.parent for p in plan.path("trajectories").glob("*/manifest.json") if json.loads(p.read_text()).get("complete")]
+    """The newest trajectory selection file (or finished run folder, as older versions wrote them)."""
+    from tasks.trajectories import SETS
+
+    folder = plan.path("trajectories")
+    done = list(folder.glob(f"*/{SETS}/*.json"))
+    done += [p.parent for p in folder.glob("*/manifest.json") if json.loads(p.read_text()).get("complete")]
     if not done:
-        raise ConfigError(f"stage {plan.name}: no finished trajectories under {plan.path('trajectories')}; "
-                          "run --phase trajectories first")  # fmt: skip
+        raise ConfigError(f"stage {plan.name}: no finished trajectories under {folder}; run --phase trajectories first")
     return max(done, key=lambda p: p.stat().st_mtime)
 
 
@@ -153,7 +157,8 @@ def run_packing(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
     from tasks.packing import pack_trajectories
 
     trajectories, stats_file = latest_trajectories(plan), plan.path("packed") / "stats.json"
-    if stats_file.is_file() and stats_file.stat().st_mtime > (trajectories / "manifest.json").stat().st_mtime:
+    made = (trajectories if trajectories.is_file() else trajectories / "manifest.json").stat().st_mtime
+    if stats_file.is_file() and stats_file.stat().st_mtime > made:
         log(f"packed already: {stats_file}")
         return json.loads(stats_file.read_text())
     pad = load_tokenizer(plan.model).pad_token_id

@@ -12,8 +12,9 @@ stage's output under `work_dir`), so a recipe names only choices:
     launch: {processes: 2, deepspeed_config: zero2}
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
-    gate: {max_accuracy_drop: 0.01, min_speedup_gain: 0.0}
+    gate: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, require_exact: true}
     schedule: {cron: "0 3 * * 0"}
+    retrain_from: base                             # or champion: retraining starts from the registry's champion
 
 A block-size curriculum lists stages; each one generates trajectories with the previous
 stage's trained model (the first with `model`) at its block size, packs them with its
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jfcore.config import ConfigError, check, from_dict, load_file
 from jfcore.eval.benchmarks import BenchmarkConfig
@@ -117,6 +118,8 @@ class Recipe:
     gate: GateConfig = field(default_factory=GateConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     curriculum: tuple[CurriculumStage, ...] = ()  # empty: one stage with trajectory, packing and train as given
+    retrain_from: Literal["base", "champion"] = "base"  # champion: start from the registry's champion when there is one
+    lock_wait_s: float = 3600.0  # a second flow run on this work_dir waits this long for the first, then refuses
 
     def __post_init__(self) -> None:
         check(bool(self.work_dir), "work_dir: must not be empty")
@@ -162,10 +165,14 @@ class Recipe:
         return from_dict(TrainConfig, {**plan.train, "data": data, "output_dir": str(plan.path("train")),
                                        "model": model}, f"train ({plan.name})" if self.curriculum else "train")  # fmt: skip
 
-    def eval_config(self, trained: str, model_uri: str | None = None) -> EvalConfig:
+    def eval_config(self, trained: str, model_uri: str | None = None,
+                    champion: tuple[str, str] | None = None) -> EvalConfig:  # fmt: skip
+        """Base and trained model, and the champion (checkpoint folder, model URI) when given, side by side."""
         e = self.evaluation
         trained_model = replace(self.model, name_or_path=trained, gguf_file=None)
         models = {"base": EvalModel(self.model), "trained": EvalModel(trained_model, model_uri)}
+        if champion:
+            models["champion"] = EvalModel(replace(self.model, name_or_path=champion[0], gguf_file=None), champion[1])
         return EvalConfig(str(self.path("eval")), models, e.benchmarks, "base", e.decoding, e.problems_per_shard,
                           e.data_dir)  # fmt: skip
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -46,9 +47,9 @@ def environment() -> dict[str, str]:
         "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state / 'prefect' / 'prefect.db'}",
-        "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "storage"),  # task results: the cache of stages
+        "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "storage"),  # persisted task results
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "INFO",  # stage progress and cache hits reach the flow run's log
+        "PREFECT_LOGGING_LEVEL": "INFO",  # stage progress and reuse lines reach the flow run's log
         "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -63,6 +64,15 @@ def environment() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who the pid in a service's pid file is now."""
+
+    pid: int | None  # as recorded; None: no (readable) pid file
+    ours: bool  # the process this service started, safe to signal
+    now: str | None  # the command line that pid runs now; None: no such process
+
+
+@dataclass(frozen=True)
 class Service:
     name: str
     command: list[str]
@@ -74,13 +84,70 @@ class Service:
     def log_file(self) -> Path:
         return state_dir() / "logs" / f"{self.name}.log"
 
-    def pid(self) -> int | None:
+    def record(self, pid: int) -> None:
+        """The pid with what identifies its process: a pid alone may name another program after a reboot."""
+        record = {"pid": pid, "start_time": _start_time(pid), "command": self.command}
+        self.pid_file().write_text(json.dumps(record))
+
+    def owner(self) -> Owner:
         try:
-            pid = int(self.pid_file().read_text())
-            os.kill(pid, 0)
-            return pid
-        except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            recorded = _read_pid_file(self.pid_file())
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return Owner(None, False, None)
+        pid = recorded["pid"]
+        cmdline = _cmdline(pid)
+        if not cmdline:  # gone, or a zombie (exited, not yet reaped)
+            return Owner(pid, False, None)
+        # An old plain-integer pid file records no command: only the service's own command line vouches for it.
+        started, command = recorded.get("start_time"), recorded.get("command") or self.command
+        same_start = started is None or _start_time(pid) in (None, started)
+        return Owner(pid, same_start and _runs(cmdline, command), " ".join(cmdline))
+
+    def pid(self) -> int | None:
+        """The service's pid, only when that process really is this service."""
+        owner = self.owner()
+        return owner.pid if owner.ours else None
+
+
+def _read_pid_file(path: Path) -> dict:
+    text = path.read_text().strip()
+    recorded = json.loads(text) if text.startswith("{") else {"pid": int(text)}  # plain integer: written before
+    recorded["pid"] = int(recorded["pid"])
+    return recorded
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    """The command line `pid` runs ([] for a zombie), None when no such process."""
+    if Path("/proc/self/cmdline").is_file():
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:  # no such process (or one /proc hides from us, which is not ours either)
             return None
+    done = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, check=False)
+    return done.stdout.split() if done.returncode == 0 else None  # ps has no argument boundaries: split on spaces
+
+
+def _start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks after boot, /proc/<pid>/stat field 22); None where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # after the parenthesised name, which may hold spaces
+
+
+def _runs(cmdline: list[str], command: list[str]) -> bool:
+    """Whether a process with `cmdline` runs `command`: the same arguments at the end, after the program itself
+    or a script of that name its interpreter runs (`.venv/bin/python .venv/bin/prefect server start ...`)."""
+    have, want = " ".join(cmdline).split(), " ".join(command).split()  # ps gives one string: compare word by word
+    head = len(have) - len(want) + 1  # words up to and including the program
+    if not want or head < 1 or have[head:] != want[1:]:
+        return False
+    return any(Path(word).name == Path(want[0]).name for word in have[:head])
+
+
+def _stale(service: Service, owner: Owner) -> str:
+    return f"{service.name}: pid file names pid {owner.pid}, which is now `{owner.now}`, not this service"
 
 
 def services() -> list[Service]:
@@ -107,16 +174,20 @@ def _healthy(url: str) -> bool:
 
 
 def _start(service: Service, env: dict[str, str], timeout_s: float = 180) -> None:
-    if service.pid():
-        print(f"{service.name}: already running (pid {service.pid()})")
+    owner = service.owner()
+    if owner.ours:
+        print(f"{service.name}: already running (pid {owner.pid})")
         return
-    for folder in (service.pid_file().parent, service.log_file().parent, state_dir() / "prefect", state_dir() / "mlflow"):
+    if owner.now is not None:
+        print(f"{_stale(service, owner)}; starting a new one")
+    state = state_dir()
+    for folder in (service.pid_file().parent, service.log_file().parent, state / "prefect", state / "mlflow"):
         folder.mkdir(parents=True, exist_ok=True)
     with open(service.log_file(), "a") as log:
         # Its own session: `down` stops the service and everything it started.
         proc = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)  # fmt: skip
-    service.pid_file().write_text(str(proc.pid))
+    service.record(proc.pid)
     from jfcore.hostspeed import scaled  # here: it imports torch, which other commands need not wait for
 
     deadline = time.time() + scaled(timeout_s)
@@ -150,29 +221,42 @@ def up(recipe: str | None) -> None:
 
 def down() -> None:
     for service in reversed(services()):
-        pid = service.pid()
-        if pid is None:
-            print(f"{service.name}: not running")
+        owner = service.owner()
+        if not owner.ours:
+            if owner.now is not None:
+                print(f"{_stale(service, owner)}; removing the stale pid file")
+            else:
+                print(f"{service.name}: not running")
+            service.pid_file().unlink(missing_ok=True)
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
-        for _ in range(30):
-            if service.pid() is None:
-                break
-            time.sleep(0.5)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        _stop(service, owner.pid)
         service.pid_file().unlink(missing_ok=True)
         print(f"{service.name}: stopped")
+
+
+def _stop(service: Service, pid: int) -> None:
+    """SIGTERM to the service's process group (it runs in its own session), SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    for _ in range(30):
+        if service.pid() is None:
+            return
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def status() -> None:
     prefect_port, mlflow_port = ports()
     for service in services():
-        pid = service.pid()
-        health = "" if service.health is None else (" healthy" if pid and _healthy(service.health) else " NOT answering")
+        owner = service.owner()
+        pid = owner.pid if owner.ours else None
+        health = (
+            "" if service.health is None else (" healthy" if pid and _healthy(service.health) else " NOT answering")
+        )
         print(f"{service.name:<15} {'pid ' + str(pid) if pid else 'stopped':<12}{health}  log {service.log_file()}")
+        if not owner.ours and owner.now is not None:
+            print(f"  {_stale(service, owner)}; `down` removes the stale pid file")
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
 
 

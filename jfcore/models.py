@@ -267,7 +267,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def source_fingerprint(config: ModelConfig) -> str:
     """Short digest of where the weights come from, without loading them: a local checkpoint's file names,
-    sizes and modification times, or a hub id and revision. Cheap enough for cache keys of 7B models."""
+    sizes and modification times, or a hub id and revision. Cheap enough to name the stage folders of 7B models."""
     checkpoint = resolve_checkpoint(config)
     path = Path(checkpoint)
     if not path.is_dir():

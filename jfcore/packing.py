@@ -21,7 +21,7 @@ import functools
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -193,10 +193,16 @@ def _prompt_problem(rows: list[dict]) -> str | None:
     return None
 
 
-def pack_shards(paths: Sequence[str | Path], out_dir: str | Path, config: PackingConfig) -> PackingStats:
-    """Pack trajectory shards (files, or folders of *.parquet) into packed shards + stats.json in `out_dir`."""
+def pack_shards(paths: Sequence[str | Path], out_dir: str | Path, config: PackingConfig,
+                select: Mapping[str, Collection[str]] | None = None) -> PackingStats:  # fmt: skip
+    """Pack trajectory shards (files, or folders of *.parquet) into packed shards + stats.json in `out_dir`.
+
+    `select`: file path -> the prompt ids to take from it (a store's shards may hold other prompts too)."""
     files = _expand(paths)
     tables = [_read_shard(f) for f in files]
+    if select is not None:
+        tables = [t.filter(pc.is_in(t["prompt_id"], value_set=pa.array(sorted(select[str(f)]), pa.string())))
+                  for f, t in zip(files, tables)]  # fmt: skip
     stats = PackingStats(tokenizer_fingerprint=_check_shards(files, tables, config))
     # Everything is held in memory (fine for tens of thousands of prompts). A prompt's blocks may
     # sit in any shard, so grouping needs all rows; at larger scale sort by prompt_id and stream.

@@ -70,6 +70,11 @@ class PromptSet:
             digest.update(json.dumps([prompt_id, ids]).encode())
         return digest.hexdigest()[:16]
 
+    def keys(self) -> list[str]:
+        """One digest per prompt over its id and token ids: what trajectory stores know a decoded prompt by,
+        so an edited prompt is decoded again even when its id stays."""
+        return [hashlib.sha256(json.dumps([i, ids]).encode()).hexdigest()[:16] for i, ids in zip(self.ids, self.token_ids)]
+
 
 def builtin_prompts_path() -> Path:
     """The packaged builtin prompt file (fields id, prompt, kind)."""

@@ -44,11 +44,13 @@ class ShardRecord:
     rows: int
     prompts: int
     sha256: str
+    keys: tuple[str, ...] = ()  # the prompt keys whose rows it holds (trajectory shards; see PromptSet.keys)
 
 
-def plan_shards(num_prompts: int, prompts_per_shard: int) -> list[ShardSpec]:
+def plan_shards(num_prompts: int, prompts_per_shard: int, first_index: int = 0) -> list[ShardSpec]:
+    """Shards of at most `prompts_per_shard` items, numbered from `first_index` (after a folder's existing ones)."""
     return [
-        ShardSpec(i, start, min(start + prompts_per_shard, num_prompts))
+        ShardSpec(first_index + i, start, min(start + prompts_per_shard, num_prompts))
         for i, start in enumerate(range(0, num_prompts, prompts_per_shard))
     ]
 
@@ -66,11 +68,11 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_shard(table: pa.Table, folder: Path, spec: ShardSpec, prompts: int) -> ShardRecord:
+def write_shard(table: pa.Table, folder: Path, spec: ShardSpec, prompts: int, keys: tuple[str, ...] = ()) -> ShardRecord:
     """Write `table` as the shard `spec` atomically; return its record."""
     path = folder / spec.name
     atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
-    return ShardRecord(spec.name, table.num_rows, prompts, file_sha256(path))
+    return ShardRecord(spec.name, table.num_rows, prompts, file_sha256(path), tuple(keys))
 
 
 def read_manifest(folder: Path) -> dict:
@@ -88,14 +90,28 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 
 def completed_shards(folder: Path, specs: list[ShardSpec]) -> dict[str, ShardRecord]:
     """Shards of `specs` the manifest lists and whose files still match their checksums."""
+    verified = verified_shards(folder)
+    return {spec.name: verified[spec.name] for spec in specs if spec.name in verified}
+
+
+def verified_shards(folder: Path) -> dict[str, ShardRecord]:
+    """Every shard the manifest lists whose file still matches its checksum."""
     listed = read_manifest(folder)["shards"]
-    done = {}
-    for spec in specs:
-        entry = listed.get(spec.name)
-        path = folder / spec.name
-        if entry and path.is_file() and file_sha256(path) == entry["sha256"]:
-            done[spec.name] = ShardRecord(**entry)
-    return done
+    return {name: ShardRecord(**{**entry, "keys": tuple(entry.get("keys", ()))}) for name, entry in listed.items()
+            if (folder / name).is_file() and file_sha256(folder / name) == entry["sha256"]}  # fmt: skip
+
+
+def drop_unverified(folder: Path) -> dict[str, ShardRecord]:
+    """Forget (and delete) the listed shards whose files are gone or changed; returns the ones that verify."""
+    verified = verified_shards(folder)
+    manifest = read_manifest(folder)
+    lost = [name for name in manifest["shards"] if name not in verified]
+    if lost:
+        for name in lost:
+            (folder / name).unlink(missing_ok=True)
+        manifest["shards"] = {k: v for k, v in manifest["shards"].items() if k in verified}
+        write_manifest(folder, manifest)
+    return verified
 
 
 def record_shard(folder: Path, record: ShardRecord, settings: dict) -> None:

@@ -1,17 +1,24 @@
 """Model registry: the newly trained version becomes the `challenger`, and the `champion` when it passes the gate.
 
-The gate compares pooled evaluation rows (all benchmarks) under one decoding
-method. Speedup is a ratio to the base model's HF greedy measured in the same
-run, so it compares across runs; accuracy compares when the benchmarks do.
-With no champion yet, the base model is the bar: its greedy accuracy and a
-speedup of 1.
+The gate reads one evaluation in which the trained model, the base model and the
+current champion (if any) decoded the same problems side by side, pooled over
+all benchmarks under one decoding method. The bar is the champion, or with no
+champion yet the base model's greedy decoding (speedup 1). The trained model
+passes when it solves at most `max_accuracy_drop_problems` fewer problems than
+the bar, is faster than the bar by more than `min_speedup_gain`, and (with
+`require_exact`) every one of its outputs equals greedy decoding in a float32
+evaluation. The decision and its reason become tags of the version.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from jfcore.atomic import atomic_write
 from jfcore.config import check, from_dict
 from jfcore.eval.report import ALL
 from tasks.orchestration import get_run_logger, task
@@ -19,18 +26,21 @@ from tasks.tracking import TrackingConfig, client
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 TAG = "jacobi_forcing.eval."  # model version tags holding the gate's figures
+DECISION, REASON = "jacobi_forcing.gate.decision", "jacobi_forcing.gate.reason"
+PROMOTED, REJECTED = "promoted", "rejected"
 
 
 @dataclass(frozen=True)
 class GateConfig:
     method: str = "multiblock"  # the decoding method the models are compared under
-    max_accuracy_drop: float = 0.01  # accuracy may fall by at most this much (0.01 = one point)
-    min_speedup_gain: float = 0.0  # the speedup must beat the bar's by more than this
+    max_accuracy_drop_problems: int = 0  # the trained model may solve at most this many fewer problems than the bar
+    min_speedup_gain: float = 0.0  # its speedup must beat the bar's by more than this
+    require_exact: bool = True  # every output equal to greedy decoding, checked in a float32 evaluation
 
     def __post_init__(self) -> None:
         check(self.method in ("jacobi", "multiblock"), f"gate.method: {self.method!r} is not jacobi or multiblock")
-        check(0 <= self.max_accuracy_drop <= 1,
-              f"gate.max_accuracy_drop: must be in [0, 1], got {self.max_accuracy_drop}")  # fmt: skip
+        check(self.max_accuracy_drop_problems >= 0,
+              f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}")  # fmt: skip
 
 
 def pooled(table: list[dict], model: str, method: str) -> dict:
@@ -38,41 +48,92 @@ def pooled(table: list[dict], model: str, method: str) -> dict:
     return next((r for r in rows if r["benchmark"] == ALL), rows[0])  # one benchmark has no "all" row
 
 
-def promote(tracking: TrackingConfig, version: str, table: list[dict], gate: GateConfig,
-            log: Callable[[str], None] = print) -> dict:  # fmt: skip
-    """Tag `version` with its figures, make it the challenger, and the champion if it passes the gate."""
-    from mlflow.exceptions import MlflowException
+def _solved(row: dict) -> int:
+    return round(row["accuracy"] * row["samples"])
 
+
+def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: bool) -> tuple[bool, str]:
+    """Whether the `trained` rows of `table` pass the gate against `champion` (a model label of the table, or
+    None for the base model), and why, in one line."""
+    new = pooled(table, "trained", gate.method)
+    if champion:
+        bar, who = pooled(table, CHAMPION, gate.method), f"champion {champion}"
+    else:
+        bar, who = pooled(table, "base", "hf_greedy") | {"speedup": 1.0}, "the base model (greedy)"
+    solved, bar_solved = _solved(new), _solved(bar)
+    accurate = solved >= bar_solved - gate.max_accuracy_drop_problems
+    faster = new["speedup"] is not None and bar["speedup"] is not None and new["speedup"] > bar["speedup"] + gate.min_speedup_gain
+    if not gate.require_exact:
+        exact, exact_note = True, "exactness not required"
+    elif not float32:
+        exact, exact_note = False, "exactness unchecked: the evaluation did not run in float32 (evaluate in float32 or set gate.require_exact: false)"
+    else:
+        exact, exact_note = new["exact"] == 1.0, f"{new['exact']:.0%} of outputs equal greedy"
+    failed = [what for what, ok in (("accuracy fell too far", accurate), ("not faster", faster), ("not exact", exact)) if not ok]
+    reason = (f"{gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} of {who} (allowed drop "
+              f"{gate.max_accuracy_drop_problems}), speedup {_x(new['speedup'])} vs {_x(bar['speedup'])} (must gain more "
+              f"than {gate.min_speedup_gain:.2f}), {exact_note}")  # fmt: skip
+    return not failed, (f"{'; '.join(failed)}: " if failed else "") + reason
+
+
+def _x(speedup: float | None) -> str:
+    return "n/a" if speedup is None else f"{speedup:.2f}x"
+
+
+def promote(tracking: TrackingConfig, version: str, table: list[dict], gate: GateConfig, champion: str | None,
+            float32: bool, log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Tag `version` with its figures and the gate's decision, make it the challenger, and the champion if it
+    passes against `champion` (the current champion's version, evaluated in `table` as `champion`)."""
     name, mlflow = tracking.registered_model, client(tracking)
     new = pooled(table, "trained", gate.method)
-    figures = {"method": gate.method, "accuracy": new["accuracy"], "speedup": new["speedup"], "tpf": new["tpf"]}
-    for key, value in figures.items():
-        mlflow.set_model_version_tag(name, version, TAG + key, str(value))
+    passed, reason = decide(table, gate, f"v{champion}" if champion else None, float32)
+    tags = {TAG + "method": gate.method, TAG + "accuracy": new["accuracy"], TAG + "speedup": new["speedup"],
+            TAG + "tpf": new["tpf"], TAG + "exact": new["exact"], DECISION: PROMOTED if passed else REJECTED,
+            REASON: reason}  # fmt: skip
+    for key, value in tags.items():
+        mlflow.set_model_version_tag(name, version, key, str(value))
     mlflow.set_registered_model_alias(name, CHALLENGER, version)
-    try:
-        champion = mlflow.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        champion = None
-    if champion is not None and TAG + "accuracy" in champion.tags:
-        bar = {"who": f"champion v{champion.version}", "accuracy": float(champion.tags[TAG + "accuracy"]),
-               "speedup": float(champion.tags[TAG + "speedup"])}  # fmt: skip
-    else:
-        bar = {"who": "the base model", "accuracy": pooled(table, "base", "hf_greedy")["accuracy"], "speedup": 1.0}
-    accurate = new["accuracy"] >= bar["accuracy"] - gate.max_accuracy_drop
-    faster = new["speedup"] is not None and new["speedup"] > bar["speedup"] + gate.min_speedup_gain
-    reason = (f"v{version} ({gate.method}): accuracy {new['accuracy']:.1%} vs {bar['accuracy']:.1%} of {bar['who']} "
-              f"(allowed drop {gate.max_accuracy_drop:.1%}), speedup {new['speedup']:.2f}x vs {bar['speedup']:.2f}x")  # fmt: skip
-    if accurate and faster:
+    if passed:
         mlflow.set_registered_model_alias(name, CHAMPION, version)
-        log(f"promoted to {CHAMPION}: {reason}")
+        log(f"gate: v{version} promoted to {CHAMPION}: {reason}")
     else:
-        log(f"stays {CHALLENGER} ({'too slow' if accurate else 'accuracy fell too far'}): {reason}")
-    return {"version": version, "promoted": accurate and faster, "reason": reason,
-            CHAMPION: version if accurate and faster else (champion.version if champion else None)}  # fmt: skip
+        log(f"gate: v{version} stays {CHALLENGER}, {reason}")
+    return {"version": version, "promoted": passed, "reason": reason, CHAMPION: version if passed else champion}
+
+
+def champion_version(tracking: TrackingConfig) -> str | None:
+    """The registered model's current champion version, if it has one."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client(tracking).get_model_version_by_alias(tracking.registered_model, CHAMPION).version
+    except MlflowException:
+        return None
+
+
+def gate_decision(tracking: TrackingConfig, version: str) -> str | None:
+    """What the gate decided for `version`, if it has judged it."""
+    return client(tracking).get_model_version(tracking.registered_model, version).tags.get(DECISION)
+
+
+def fetch_version(tracking: TrackingConfig, version: str, cache: Path) -> Path:
+    """The HF checkpoint folder of a registered version, downloaded once into `cache`."""
+    import mlflow
+
+    folder = cache / f"{tracking.registered_model}-v{version}"
+    done = folder / "jf_downloaded.json"
+    if not done.is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        mlflow.set_tracking_uri(tracking.uri)
+        mlflow.artifacts.download_artifacts(f"models:/{tracking.registered_model}/{version}", dst_path=str(folder))
+        atomic_write(done, lambda tmp: tmp.write_text(json.dumps({"version": version})))
+    [checkpoint] = [p.parent for p in (folder / "artifacts").rglob("config.json")]
+    return checkpoint
 
 
 @task(name="register")
-def register_task(tracking: dict, version: str, table: list[dict], gate: dict) -> dict:
+def register_task(tracking: dict, version: str, table: list[dict], gate: dict, champion: str | None,
+                  float32: bool) -> dict:  # fmt: skip
     """Prefect task over `promote`."""
     return promote(from_dict(TrackingConfig, tracking, "tracking"), version, table, from_dict(GateConfig, gate, "gate"),
-                   log=get_run_logger().info)  # fmt: skip
+                   champion, float32, log=get_run_logger().info)  # fmt: skip

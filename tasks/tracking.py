@@ -68,16 +68,32 @@ def stage_run(config: TrackingConfig, folder: Path, stage: str, params: dict) ->
     params and named `config.run_name` or the stage, so a flow's nested runs read as its stages."""
     mlflow = client(config)
     record = folder / RUN_FILE
-    if record.is_file():
-        saved = json.loads(record.read_text())
-        if saved["uri"] == config.uri:
+    saved = json.loads(record.read_text()) if record.is_file() else {}
+    if saved.get("uri") == config.uri:
+        if _run_exists(mlflow, saved["run_id"]):
             mlflow.update_run(saved["run_id"], status="RUNNING")
             return saved["run_id"]
+        gone = f"MLflow run {saved['run_id']} recorded in {record} was deleted or no longer exists on {config.uri}"
+        print(f"warning: {gone}; starting a new run for stage {stage}", flush=True)
     run_id = new_run(config, config.run_name or stage, params, {"jacobi_forcing.stage": stage})
     mlflow.set_tag(run_id, "mlflow.note.content", f"output folder: {folder}")
     folder.mkdir(parents=True, exist_ok=True)
+    # A fresh record: a "model" or "logged" mark of an earlier run belonged to that run, so the new one logs again.
     atomic_write(record, lambda tmp: tmp.write_text(json.dumps({"uri": config.uri, "run_id": run_id})))
     return run_id
+
+
+def _run_exists(mlflow, run_id: str) -> bool:
+    """Whether `run_id` is a live run on the server: a deleted run, or a reset database, leaves a stale record."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return False
+    return run.info.lifecycle_stage != "deleted"
 
 
 def metric_logger(config: TrackingConfig, run_id: str):

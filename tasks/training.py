@@ -35,6 +35,7 @@ from jfcore.training.loop import (
     METRICS,
     complete_checkpoints,
     deepspeed_config,
+    read_metrics,
 )
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
@@ -193,8 +194,8 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
 
 
 def _last_metrics(path: Path) -> dict:
-    lines = [line for line in path.read_text().splitlines() if line] if path.is_file() else []
-    return json.loads(lines[-1]) if lines else {}
+    records = read_metrics(path)  # tolerates a torn last line, as resuming does
+    return records[-1] if records else {}
 
 
 def _processes_failed(task, task_run, state) -> bool:

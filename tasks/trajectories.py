@@ -1,27 +1,42 @@
-"""Trajectory generation: Ray actors, one model replica each, write Parquet shards.
+"""Trajectory generation: Ray actors, one model replica each, write Parquet shards into a trajectory store.
 
-The driver encodes the prompts, asks a worker for the model and tokenizer
-fingerprints, and names the run folder by everything that determines its
-content. Shards already listed in that folder's manifest are skipped; the
-rest are spread over the workers, and each finished shard is added to the
-manifest as soon as it lands. A killed worker is restarted by Ray and its
-shard redone; a killed run loses only the shards in flight.
+A store is a folder named by everything that determines a prompt's trajectory
+but the prompt: the model's source fingerprint, the tokenizer and the decoding
+settings. Each shard's manifest entry lists the prompts it holds (by a digest of
+id and token ids), so a rerun decodes only the prompts no verified shard holds:
+appended prompts cost only themselves, an unchanged prompt set starts no worker.
+Shards are spread over the workers and added to the manifest as they land: a
+killed worker is restarted by Ray and its shard redone; a killed run loses only
+the shards in flight. The stage's output is a selection file in the store
+(`sets/<prompt set fingerprint>.json`): which shard holds which prompt of this set.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from jfcore.atomic import atomic_write
 from jfcore.config import from_dict
-from jfcore.models import ModelConfig, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint
-from jfcore.prompts import PromptSource, encode_prompts
-from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
+from jfcore.models import (
+    ModelConfig,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+    source_fingerprint,
+    tokenizer_fingerprint,
+)
+from jfcore.prompts import PromptSet, PromptSource, encode_prompts
+from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
 from tasks.orchestration import get_run_logger, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
+
+SETS = "sets"  # in a store: one selection file per prompt set
 
 
 class TrajectoryWorker:
@@ -42,9 +57,9 @@ class TrajectoryWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, spec: ShardSpec, ids: list[str], prompts: list[list[int]], folder: str):
+    def run(self, spec: ShardSpec, ids: list[str], prompts: list[list[int]], keys: list[str], folder: str):
         table = decode_trajectories(self.model, ids, prompts, self.config, self.model_fp, self.tokenizer_fp)
-        return write_shard(table, Path(folder), spec, len(prompts))
+        return write_shard(table, Path(folder), spec, len(prompts), tuple(keys))
 
 
 def generate_trajectories(
@@ -56,51 +71,73 @@ def generate_trajectories(
     prompts_per_shard: int = 64,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Generate (or finish generating) the trajectory shards; returns the run folder."""
+    """Decode the prompts the store does not hold yet; returns the prompt set's selection file."""
     tokenizer = load_tokenizer(model)
     prompt_set = encode_prompts(prompts, tokenizer)
     if not prompt_set.ids:
         raise ValueError(f"no usable prompts in {prompts.path} ({prompt_set.skipped_too_long} longer than the budget)")
-    log(f"{len(prompt_set.ids)} prompts ({prompt_set.skipped_too_long} skipped: over {prompts.max_prompt_tokens} tokens)")
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    store = Path(out_dir) / run_key(model=source_fingerprint(model), tokenizer=tokenizer_fp,
+                                    trajectory=asdict(trajectory))  # fmt: skip
+    keys = prompt_set.keys()
+    # a shard whose file is gone or damaged is forgotten, so its prompts count as new
+    held = {key: name for name, record in drop_unverified(store).items() for key in record.keys}
+    todo = [i for i, key in enumerate(keys) if key not in held]
+    log(f"{len(keys)} prompts ({prompt_set.skipped_too_long} skipped: over {prompts.max_prompt_tokens} tokens): "
+        f"{len(keys) - len(todo)} already decoded with this model and settings (reused), {len(todo)} to decode; "
+        f"store {store}")  # fmt: skip
+    if todo:
+        with ray_session(ray_config):
+            held |= _decode(model, prompt_set, keys, todo, tokenizer_fp, trajectory, ray_config, store,
+                            prompts_per_shard, log)  # fmt: skip
+    return _write_selection(store, prompt_set, keys, held, reused=len(keys) - len(todo))
 
-    with ray_session(ray_config):
-        return _run(model, prompt_set, tokenizer, trajectory, ray_config, Path(out_dir), prompts_per_shard, log)
 
-
-def _run(model, prompt_set, tokenizer, trajectory, ray_config, out_dir, prompts_per_shard, log) -> Path:
+def _decode(model, prompt_set: PromptSet, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard,
+            log) -> dict[str, str]:  # fmt: skip
+    """Decode the prompts `todo` (indices into the set) into new shards; returns their key -> shard name."""
     workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
-    model_fp, tokenizer_fp = get(workers[0].fingerprints.remote())
+    model_fp, worker_tokenizer_fp = get(workers[0].fingerprints.remote())
     log(f"{len(workers)} workers ready (pids {get([w.pid.remote() for w in workers])})")
-    if tokenizer_fp != tokenizer_fingerprint(tokenizer):
+    if worker_tokenizer_fp != tokenizer_fp:
         raise RuntimeError("the workers loaded a different tokenizer than the driver; check the model path")
-    settings = {
-        "model": asdict(model),
-        "model_fingerprint": model_fp,
-        "tokenizer_fingerprint": tokenizer_fp,
-        "prompts_fingerprint": prompt_set.fingerprint(),
-        "trajectory": asdict(trajectory),
-        "prompts_per_shard": prompts_per_shard,
-    }
-    folder = out_dir / run_key(**{k: v for k, v in settings.items() if k != "model"})
-    specs = plan_shards(len(prompt_set.ids), prompts_per_shard)
+    settings = {"model": asdict(model), "model_fingerprint": model_fp, "tokenizer_fingerprint": tokenizer_fp,
+                "trajectory": asdict(trajectory)}  # fmt: skip
+    recorded = read_manifest(store).get("settings", {}).get("model_fingerprint")
+    if recorded not in (None, model_fp):
+        raise RuntimeError(f"{store} holds trajectories of weights {recorded}, but the files it was named after now "
+                           f"load as {model_fp}; move the store away (its files were rewritten in place?)")  # fmt: skip
+    names = [int(m.group(1)) for name in read_manifest(store)["shards"] if (m := re.match(r"shard-(\d+)", name))]
+    specs = plan_shards(len(todo), prompts_per_shard, first_index=max(names, default=-1) + 1)
 
     def submit(worker, spec: ShardSpec):
-        ids, token_ids = prompt_set.ids[spec.start : spec.stop], prompt_set.token_ids[spec.start : spec.stop]
-        return worker.run.remote(spec, ids, token_ids, str(folder))
+        chosen = todo[spec.start : spec.stop]
+        return worker.run.remote(spec, [prompt_set.ids[i] for i in chosen], [prompt_set.token_ids[i] for i in chosen],
+                                 [keys[i] for i in chosen], str(store))  # fmt: skip
 
-    fill_shards(folder, specs, workers, submit, settings, log)
-    manifest = read_manifest(folder)
-    manifest |= {"settings": settings, "complete": True, "num_prompts": len(prompt_set.ids),
-                 "skipped_too_long": prompt_set.skipped_too_long}
-    write_manifest(folder, manifest)
-    return folder
+    fill_shards(store, specs, workers, submit, settings, log)
+    return {keys[i]: spec.name for spec in specs for i in todo[spec.start : spec.stop]}
+
+
+def _write_selection(store: Path, prompt_set: PromptSet, keys: list[str], held: dict[str, str], reused: int) -> Path:
+    shards: dict[str, list[str]] = {}
+    for prompt_id, key in zip(prompt_set.ids, keys):
+        shards.setdefault(held[key], []).append(prompt_id)
+    selection = {"complete": True, "store": str(store), "prompts_fingerprint": prompt_set.fingerprint(),
+                 "num_prompts": len(keys), "skipped_too_long": prompt_set.skipped_too_long, "reused": reused,
+                 "decoded": len(keys) - reused, "shards": dict(sorted(shards.items())),
+                 "settings": read_manifest(store).get("settings", {})}  # fmt: skip
+    path = store / SETS / f"{prompt_set.fingerprint()}.json"
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(selection, indent=1)))
+    return path
 
 
 @task(name="generate-trajectories", retries=1, retry_delay_seconds=5)
 def generate_trajectories_task(
     model: dict, prompts: dict, trajectory: dict, ray: dict, out_dir: str, prompts_per_shard: int = 64
 ) -> str:
-    """Prefect task over `generate_trajectories`: configs as plain data, checked strictly; a retry resumes."""
+    """Prefect task over `generate_trajectories`: configs as plain data, checked strictly; a retry resumes.
+    Returns the selection file's path."""
     folder = generate_trajectories(
         from_dict(ModelConfig, model, "model"),
         from_dict(PromptSource, prompts, "prompts"),

@@ -112,10 +112,12 @@ def test_the_second_stage_learns_from_the_first_stages_model_on_its_own_trajecto
 def test_a_rerun_resumes_from_what_was_written(smoke):
     work, _ = smoke
     shards = sorted((work / "n4" / "trajectories").glob("*/shard-*.parquet"))
-    shards[-1].unlink()  # lost: only it is made again
+    listed = json.loads((shards[-1].parent / "manifest.json").read_text())["shards"]
+    lost, total = len(listed[shards[-1].name]["keys"]), sum(len(s["keys"]) for s in listed.values())
+    shards[-1].unlink()  # lost: only its prompts are decoded again
     again = campaign(work, "--phase", "trajectories", "--stage", "n4")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"{len(shards) - 1}/{len(shards)} shards already complete, 1 to make" in again.stdout
+    assert f"{total - lost} already decoded with this model and settings (reused), {lost} to decode" in again.stdout
     rest = campaign(work, "--phase", "train")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert rest.stdout.count("trained already") == 2 and "launching" not in rest.stdout
@@ -149,7 +151,8 @@ def test_the_flow_runs_the_same_curriculum(tmp_path):
     make_tiny_model(tmp_path / "tiny-model")
     result = jacobi_forcing(to_dict(recipe), stages=["trajectories", "packing", "train"])
     assert list(result["stages"]) == ["n4", "n8"]
-    second = Path(result["stages"]["n8"]["trajectories"])
-    fingerprints = {row["model_fingerprint"] for row in pq.read_table(second / "shard-00000.parquet").to_pylist()}
-    assert fingerprints == {fingerprint(tmp_path / "n4" / "train" / "final")}
-    assert (tmp_path / "n8" / "train" / "final" / "config.json").is_file()
+    second = json.loads(Path(result["stages"]["n8"]["trajectories"]).read_text())  # the selection file
+    shard = Path(second["store"]) / next(iter(second["shards"]))
+    fingerprints = {row["model_fingerprint"] for row in pq.read_table(shard).to_pylist()}
+    assert fingerprints == {fingerprint(tmp_path / "n4" / "train" / "latest" / "final")}
+    assert (tmp_path / "n8" / "train" / "latest" / "final" / "config.json").is_file()

@@ -1,16 +1,14 @@
 """`prefect deployment run jacobi-forcing/full` on the local stack (real Prefect server and process worker,
 real MLflow server), with a tiny model: real Ray trajectories, Parquet, DeepSpeed training, evaluation and
-the registry. The first flow run is cancelled during training; the second reuses the cached data stages and
+the registry. The first flow run is cancelled during training; the second reuses the data stages' outputs and
 resumes training from its checkpoint."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,27 +16,17 @@ import pytest
 import yaml
 
 from jfcore.hostspeed import scaled
-from tests.servers import free_port
+from tests.flow_stack import REPO, prefect, start_run, start_stack, state_of, stop_stack, wait_for
 from tests.tiny_models import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 600  # 12 sequences, 2 processes x micro batch 2: 3 steps an epoch; long enough to be cancelled midway
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    env = dict(os.environ, JF_STACK_DIR=str(root / "stack"), JF_PREFECT_PORT=str(free_port()),
-               JF_MLFLOW_PORT=str(free_port()))  # fmt: skip
-    env.pop("PREFECT_HOME", None)  # the stack's own, not the test session's throwaway one
-    exports = subprocess.run([sys.executable, "infra/stack.py", "env"], env=env, cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    env |= dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
-    try:
-        subprocess.run([sys.executable, "infra/stack.py", "up"], env=env, cwd=REPO, check=True, timeout=scaled(300))
-        yield {"root": root, "env": env, "mlflow": env["MLFLOW_TRACKING_URI"]}
-    finally:
-        subprocess.run([sys.executable, "infra/stack.py", "down"], env=env, cwd=REPO, check=False, timeout=scaled(120))
+    stack = start_stack(tmp_path_factory.mktemp("pipeline"))
+    yield stack
+    stop_stack(stack)
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +54,6 @@ def recipe(stack) -> Path:
     return path
 
 
-def prefect(stack, *args: str, timeout: float = 600) -> str:
-    done = subprocess.run([sys.executable, "-m", "prefect", *args], env=stack["env"], cwd=REPO, capture_output=True,
-                          text=True, timeout=scaled(timeout), check=False)  # fmt: skip
-    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout if "--output" in args else done.stdout + done.stderr  # logs may come on either
-
-
-def start_run(stack, recipe: Path) -> str:
-    out = prefect(stack, "deployment", "run", "jacobi-forcing/full", "--param", f"recipe={recipe}")
-    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
-
-
-def state_of(stack, flow_run_id: str) -> str:
-    return json.loads(prefect(stack, "flow-run", "inspect", flow_run_id, "--output", "json"))["state_type"]
-
-
 def task_states(stack, flow_run_id: str) -> dict[str, str]:
     """Task name (without its run suffix) -> final state name, from the Prefect API."""
     from uuid import UUID
@@ -94,22 +66,15 @@ def task_states(stack, flow_run_id: str) -> dict[str, str]:
     return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + scaled(timeout)
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def two_runs(stack, recipe):
-    checkpoints = stack["root"] / "work" / "train" / "checkpoints"
+    train = stack["root"] / "work" / "train"
     first = start_run(stack, recipe)
-    wait_for(lambda: any(checkpoints.glob("step-*/jf_complete.json")), 600, "a complete training checkpoint")
+    wait_for(lambda: any(train.glob("*/checkpoints/step-*/jf_complete.json")), 600, "a complete training checkpoint")
     prefect(stack, "flow-run", "cancel", first)
     wait_for(lambda: state_of(stack, first) in ("CANCELLED", "FAILED", "CRASHED"), 120, "the cancelled flow run")
     wait_for(lambda: not _training_processes(), 60, "the training processes to go")
-    kept = sorted(p.parent.name for p in checkpoints.glob("step-*/jf_complete.json"))
+    kept = sorted(p.parent.name for p in train.glob("*/checkpoints/step-*/jf_complete.json"))
     second = start_run(stack, recipe)
     prefect(stack, "flow-run", "watch", second, timeout=900)
     return {"first": first, "second": second, "kept": kept, "logs": prefect(stack, "flow-run", "logs", second)}
@@ -125,26 +90,29 @@ def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
     assert state_of(stack, two_runs["second"]) == "COMPLETED"
     logs = two_runs["logs"]
     states = task_states(stack, two_runs["second"])
-    assert states["generate-trajectories"] == states["pack-trajectories"] == "Cached"
-    assert states["train"] == states["evaluate"] == "Completed"
-    assert logs.count("Finished in state Cached") == 2  # what the flow run's log shows for them
-    assert f"resuming from {two_runs['kept'][-1]}" in logs
-    assert two_runs["kept"][-1] != f"step-{STEPS:07d}"  # it was cancelled before the end
+    assert "12 already decoded with this model and settings (reused), 0 to decode" in logs
+    assert "packing: reused" in logs and "pack-trajectories" not in states
+    assert states["generate-trajectories"] == states["train"] == states["evaluate"] == "Completed"
+    step = int(two_runs["kept"][-1].removeprefix("step-"))
+    assert f"resumed from step {step} " in logs  # the training loop's own line, after loading the checkpoint
+    assert step < STEPS  # it was cancelled before the end
 
 
 def test_parquet_outputs(stack, two_runs):
     work = stack["root"] / "work"
-    [trajectories] = [p.parent for p in (work / "trajectories").glob("*/manifest.json")]
-    manifest = json.loads((trajectories / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["num_prompts"] == 12 and len(manifest["shards"]) == 3
-    rows = [r for f in sorted(trajectories.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    [store] = [p.parent for p in (work / "trajectories").glob("*/manifest.json")]
+    manifest = json.loads((store / "manifest.json").read_text())
+    [selection] = [json.loads(p.read_text()) for p in (store / "sets").glob("*.json")]
+    assert selection["num_prompts"] == 12 and len(manifest["shards"]) == 3 == len(selection["shards"])
+    rows = [r for f in sorted(store.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert len({r["prompt_id"] for r in rows}) == 12
-    stats = json.loads((work / "packed" / "stats.json").read_text())
-    assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in (work / "packed").glob("packed-*.parquet"))
+    [packed] = list((work / "packed").iterdir())
+    stats = json.loads((packed / "stats.json").read_text())
+    assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
     [report] = list((work / "eval").glob("*/report"))
     samples = pq.read_table(report / "samples.parquet").to_pylist()
     assert len(samples) == 3 * 2 * 3 and all(s["exact"] for s in samples)
-    assert (work / "train" / "final" / "config.json").is_file()
+    assert (work / "train" / "latest" / "final" / "config.json").is_file()
 
 
 def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
@@ -160,19 +128,22 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     assert {"trajectories", "packing", "evaluate"} <= set(nested)
     assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
     assert nested["packing"].data.metrics["sequences"] == 12
-    assert [a.path for a in mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")] == [
-        "trajectories/manifest.json"]
+    [selection] = mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")
+    assert re.fullmatch(r"trajectories/[0-9a-f]{16}\.json", selection.path)  # the prompt set's selection file
+    assert nested["trajectories"].data.metrics["reused_prompts"] == 12
     # Training began under the cancelled flow run's parent and resumed into the same run.
     [train] = [r for r in runs if r.data.tags.get("jacobi_forcing.stage") == "train"]
     assert train.info.status == "FINISHED" and train.data.metrics["loss"] > 0
     assert {m.step for m in mlflow.get_metric_history(train.info.run_id, "loss")} == set(range(1, STEPS + 1))
     # The new version is the challenger; the log says whether it passed the gate, and the aliases agree.
     aliases = mlflow.get_registered_model("jf-pipeline-tiny").aliases
-    promoted = "promoted to champion" in two_runs["logs"]
-    assert promoted or "stays challenger" in two_runs["logs"]
+    promoted = "gate: v1 promoted to champion" in two_runs["logs"]
+    assert promoted or "gate: v1 stays challenger" in two_runs["logs"]
     assert aliases == ({"challenger": "1", "champion": "1"} if promoted else {"challenger": "1"})
     version = mlflow.get_model_version("jf-pipeline-tiny", "1")
     assert version.tags["jacobi_forcing.eval.method"] == "multiblock"
+    assert version.tags["jacobi_forcing.gate.decision"] == ("promoted" if promoted else "rejected")
+    assert "of the base model (greedy)" in version.tags["jacobi_forcing.gate.reason"]
 
 
 def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import threading
 import time
@@ -19,6 +21,7 @@ from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, ModelLoadError
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError
+from jfcore.training.loop import complete_checkpoints
 from tasks.tracking import TrackingConfig, client
 from tasks.training import LaunchConfig, TrainingFailed, run_training
 from tests.servers import mlflow_server
@@ -54,6 +57,44 @@ def tracking(setup, run_name: str) -> TrackingConfig:
 
 def curve(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def resumed_at(lines: list[str], run_dir: Path, step: int) -> None:
+    """The training loop itself (not the launcher's folder listing) resumed from checkpoint `step`, and this
+    launch ran exactly the steps after it: its progress lines go from step + 1 to the end, its worker says so."""
+    checkpoint = Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+    assert any(f"resumed from step {step} (checkpoint {checkpoint})" in line for line in lines), lines
+    progress = [int(m[1]) for line in lines if (m := re.search(rf"\bstep (\d+)/{STEPS}: loss", line))]
+    ran = [] if step == STEPS else [step + 1, STEPS]  # a restart from 0 would begin at step 1
+    assert progress == sorted(set(progress)) and progress[:1] + progress[-1:] == ran, progress
+    assert any(f"training finished: {STEPS} steps (resumed from {step})" in line for line in lines)
+
+
+def same_curve_and_weights(run_dir: Path, uninterrupted: dict, after: int) -> None:
+    """One record per step, and from step `after` on the same losses and final weights as the uninterrupted run."""
+    resumed, whole = curve(run_dir), curve(Path(uninterrupted["final_dir"]).parent)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(resumed[after:], whole[after:]):
+        for key in CURVE:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    a = AutoModelForCausalLM.from_pretrained(Path(run_dir) / "final")
+    b = AutoModelForCausalLM.from_pretrained(uninterrupted["final_dir"])
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def crashed_copy(setup, uninterrupted: dict, name: str, during_step: int) -> TrainConfig:
+    """The uninterrupted run's folder as a crash during `during_step` would have left it: the checkpoints
+    before that step, a record for each step before it, no export."""
+    whole, train = Path(uninterrupted["final_dir"]).parent, config(setup, name)
+    out = Path(train.output_dir)
+    shutil.copytree(whole, out, ignore=shutil.ignore_patterns("final", "mlflow_run.json", "launch.log"))
+    for tag in complete_checkpoints(out / "checkpoints"):
+        if int(tag.removeprefix("step-")) >= during_step:
+            shutil.rmtree(out / "checkpoints" / tag)
+    kept = (out / "metrics.jsonl").read_text().splitlines(keepends=True)[: during_step - 1]
+    (out / "metrics.jsonl").write_text("".join(kept))
+    return train
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +208,18 @@ def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
     assert killed, "the training finished before a rank could be killed"
     run_id = json.loads((Path(train.output_dir) / "mlflow_run.json").read_text())["run_id"]
     assert client(tracking(setup, "killed")).get_run(run_id).info.status == "FAILED"
+    before = (Path(train.output_dir) / "metrics.jsonl").read_text().splitlines()
 
     lines: list[str] = []
     result = run_training(train, LAUNCH, tracking(setup, "killed"), log=lines.append)
-    assert any("resuming from step-0000004" in line for line in lines)
+    assert any("resuming from step-0000004" in line for line in lines)  # the launcher's guess
+    resumed_at(lines, train.output_dir, 4)  # what the training loop did
+    # Steps 1-4 were not redone: their records (timings included) are the killed launch's.
+    assert (Path(train.output_dir) / "metrics.jsonl").read_text().splitlines()[:4] == before[:4]
     assert result["mlflow_run_id"] == run_id  # the same MLflow run continues
     launches = launch_log.read_text().split("\n=== ")  # both launches, the killed one's post-mortem included
     assert len(launches) == 2 and "Root Cause" in launches[0] and "training finished" in launches[1]
-    resumed, whole = curve(train.output_dir), curve(Path(uninterrupted["final_dir"]).parent)
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    for a, b in zip(resumed[4:], whole[4:]):
-        for key in CURVE:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    a = AutoModelForCausalLM.from_pretrained(result["final_dir"])
-    b = AutoModelForCausalLM.from_pretrained(uninterrupted["final_dir"])
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+    same_curve_and_weights(train.output_dir, uninterrupted, after=4)
 
 
 def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup, uninterrupted):
@@ -192,13 +229,73 @@ def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup,
     versions = len(mlflow.search_model_versions("name='jf-tiny'"))
     lines: list[str] = []
     again = run_training(config(setup, "whole"), LAUNCH, tracking(setup, "whole"), log=lines.append)
-    assert any("resumed from 12" in line for line in lines)
+    resumed_at(lines, run_dir, STEPS)  # and ran no step
+    assert [r["step"] for r in curve(run_dir)] == list(range(1, STEPS + 1))
     assert (run_dir / "final" / "model.safetensors").stat().st_mtime_ns == before
     assert again["mlflow_run_id"] == uninterrupted["mlflow_run_id"] and again["model"] == uninterrupted["model"]
     assert len(mlflow.search_model_versions("name='jf-tiny'")) == versions  # no second registration
     assert mlflow.get_run(again["mlflow_run_id"]).info.status == "FINISHED"
     with pytest.raises(TrainingFailed, match="other settings.*micro_batch_size: 2 -> 1"):
         run_training(config(setup, "whole", micro_batch_size=1), LAUNCH, log=lambda line: None)
+    # ZeRO cannot load its optimizer shards into another world size: that is a changed setting too, not a
+    # checkpoint to skip as unreadable.
+    with pytest.raises(TrainingFailed, match="other settings.*world_size: 2 -> 1"):
+        run_training(config(setup, "whole"), LaunchConfig(processes=1, threads_per_process=1), log=lambda line: None)
+
+
+@pytest.mark.parametrize(
+    ("damaged", "where"),
+    [("mp_rank_00_model_states.pt", ""), ("zero_pp_rank_1_mp_rank_00_optim_states.pt", " on rank 1")],
+)
+def test_an_unreadable_checkpoint_falls_back_to_the_previous_complete_one(setup, uninterrupted, damaged, where):
+    """A checkpoint file cut short (a full disk, a copy that stopped) makes the resume use the one before.
+    With rank 1's optimizer file cut, rank 0 loads the newer checkpoint whole and rank 1 its weights before
+    failing: both must agree to fall back, and the older load must replace all of that."""
+    train = crashed_copy(setup, uninterrupted, f"fallback-{damaged[:4]}", during_step=10)
+    checkpoints = Path(train.output_dir) / "checkpoints"
+    assert complete_checkpoints(checkpoints) == ["step-0000004", "step-0000008"]
+    with open(checkpoints / "step-0000008" / damaged, "r+b") as f:
+        f.truncate(16)
+
+    lines: list[str] = []
+    run_training(train, LAUNCH, log=lines.append)
+    warning = f"warning: checkpoint {checkpoints / 'step-0000008'} is unreadable{where} ("
+    assert any(warning in line and "falling back to the previous complete one" in line for line in lines), lines
+    resumed_at(lines, train.output_dir, 4)
+    same_curve_and_weights(train.output_dir, uninterrupted, after=4)
+    # Step 8 was saved again, whole: the next resume can use it.
+    assert complete_checkpoints(checkpoints) == ["step-0000004", "step-0000008", "step-0000012"]
+    size = lambda tag: (checkpoints / tag / damaged).stat().st_size
+    assert size("step-0000008") == size("step-0000004")
+
+
+def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(setup, uninterrupted):
+    """Weights half-loaded from a broken checkpoint must not be trained on as if from step 0."""
+    train = crashed_copy(setup, uninterrupted, "unloadable", during_step=10)
+    checkpoints = Path(train.output_dir) / "checkpoints"
+    for tag in complete_checkpoints(checkpoints):
+        (checkpoints / tag / "mp_rank_00_model_states.pt").unlink()
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed, match="none of the complete checkpoints.*step-0000004, step-0000008"):
+        run_training(train, LAUNCH, log=lines.append)
+    for tag, then in (("step-0000008", "falling back to the previous complete one"), ("step-0000004", "no older")):
+        assert any(f"checkpoint {checkpoints / tag} is unreadable" in line and then in line for line in lines), tag
+    assert len(curve(train.output_dir)) == 9 and not (Path(train.output_dir) / "final").exists()
+
+
+def test_a_metrics_line_torn_by_a_crash_is_dropped_on_resume(setup, uninterrupted):
+    train = crashed_copy(setup, uninterrupted, "torn", during_step=10)
+    metrics = Path(train.output_dir) / "metrics.jsonl"
+    step_10 = (Path(uninterrupted["final_dir"]).parent / "metrics.jsonl").read_text().splitlines()[9]
+    with open(metrics, "a") as f:
+        f.write(step_10[: len(step_10) // 2])  # killed while writing step 10's record
+
+    lines: list[str] = []
+    result = run_training(train, LAUNCH, log=lines.append)
+    assert any(f"warning: {metrics} line 10 is torn" in line for line in lines), lines
+    resumed_at(lines, train.output_dir, 8)
+    same_curve_and_weights(train.output_dir, uninterrupted, after=8)
+    assert result["metrics"]["step"] == STEPS
 
 
 def test_curriculum_stage_starts_from_the_previous_export_with_zero3(setup, uninterrupted):

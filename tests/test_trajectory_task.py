@@ -1,4 +1,4 @@
-"""Trajectory generation on a real local Ray into real Parquet shards: resumable, no duplicates."""
+"""Trajectory generation on a real local Ray into real Parquet shards: resumable, incremental, no duplicates."""
 
 from __future__ import annotations
 
@@ -49,15 +49,24 @@ def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, r
     )
 
 
-def rows_of(folder: Path) -> list[dict]:
-    return [r for f in sorted(folder.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
+def rows_of(selection: Path) -> list[dict]:
+    """The rows a selection file names: its prompts, from the shards it says hold them."""
+    chosen = json.loads(selection.read_text())
+    store = Path(chosen["store"])
+    return [r for name, ids in sorted(chosen["shards"].items()) for r in pq.read_table(store / name).to_pylist()
+            if r["prompt_id"] in ids]
+
+
+def store_of(selection: Path) -> Path:
+    return selection.parent.parent
 
 
 def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tmp_path):
-    folder = run(tiny_checkpoint, prompt_file, tmp_path)
+    selection = run(tiny_checkpoint, prompt_file, tmp_path)
+    folder = store_of(selection)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["complete"] and len(manifest["shards"]) == 4
-    rows = rows_of(folder)
+    assert len(manifest["shards"]) == 4 and sum(len(s["keys"]) for s in manifest["shards"].values()) == NUM_PROMPTS
+    rows = rows_of(selection)
     assert sum(s["rows"] for s in manifest["shards"].values()) == len(rows)
     keys = [(r["prompt_id"], r["block_index"]) for r in rows]
     assert len(set(keys)) == len(keys) and len({r["prompt_id"] for r in rows}) == NUM_PROMPTS
@@ -66,21 +75,50 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     for r in rows:
         assert r["states"][-1] == r["fixed_point"] and len(r["fixed_point"]) <= 4
 
-    # A rerun finds every shard complete and rewrites nothing.
+    # A rerun finds every prompt decoded, starts no worker and rewrites nothing.
     mtimes = {f.name: f.stat().st_mtime_ns for f in folder.glob("shard-*.parquet")}
     lines: list[str] = []
-    assert run(tiny_checkpoint, prompt_file, tmp_path, lines.append) == folder
-    assert any("4/4 shards already complete, 0 to make" in line for line in lines)
+    assert run(tiny_checkpoint, prompt_file, tmp_path, lines.append) == selection
+    assert any(f"{NUM_PROMPTS} already decoded with this model and settings (reused), 0 to decode" in line
+               for line in lines)  # fmt: skip
+    assert not any("workers ready" in line for line in lines)
     assert {f.name: f.stat().st_mtime_ns for f in folder.glob("shard-*.parquet")} == mtimes
 
-    # A lost shard and a damaged one are redone, and only they; the result is the same rows.
+    # The prompts of a lost shard and a damaged one are decoded again, and only they; the rows are the same.
     (folder / "shard-00001.parquet").unlink()
     (folder / "shard-00002.parquet").write_bytes(b"truncated")
     lines.clear()
     run(tiny_checkpoint, prompt_file, tmp_path, lines.append)
-    assert any("2/4 shards already complete, 2 to make" in line for line in lines)
+    assert any("4 already decoded with this model and settings (reused), 4 to decode" in line for line in lines)
     assert (folder / "shard-00000.parquet").stat().st_mtime_ns == mtimes["shard-00000.parquet"]
-    assert sorted(map(str, rows_of(folder))) == sorted(map(str, rows))
+    assert not (folder / "shard-00002.parquet").exists()  # the damaged file is gone with its manifest entry
+    assert sorted(map(str, rows_of(selection))) == sorted(map(str, rows))
+
+
+def test_appended_and_edited_prompts_are_the_only_ones_decoded(tiny_checkpoint, prompt_file, tmp_path):
+    from jfcore.packing import PackingConfig
+    from tasks.packing import pack_trajectories
+
+    grown = tmp_path / "prompts.jsonl"  # ids are the source's name and row: the file stays where it is
+    lines = prompt_file.read_text().splitlines()
+    grown.write_text(prompt_file.read_text())
+    first = run(tiny_checkpoint, grown, tmp_path)
+    edited = [json.dumps({"prompt": "w5 w6 w7 w8 w9"})]  # prompt 0 changes its text, keeping its id
+    added = [json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}"}) for i in (10, 40, 70)]
+    grown.write_text("\n".join(edited + lines[1:] + added) + "\n")
+    log: list[str] = []
+    second = run(tiny_checkpoint, grown, tmp_path, log.append)
+    assert store_of(second) == store_of(first)  # same model and settings: the same store
+    assert any(f"{NUM_PROMPTS - 1} already decoded with this model and settings (reused), 4 to decode" in line
+               for line in log)  # fmt: skip
+    chosen = json.loads(second.read_text())
+    assert chosen["num_prompts"] == NUM_PROMPTS + 3 and chosen["decoded"] == 4
+    rows = rows_of(second)
+    assert len({r["prompt_id"] for r in rows}) == NUM_PROMPTS + 3
+    ids = [r["prompt_id"] for r in rows if r["block_index"] == 0]
+    assert len(ids) == len(set(ids))  # the old text of prompt 0 is not selected beside the new one
+    stats = pack_trajectories(second, tmp_path / "packed", PackingConfig(window=4))
+    assert stats["sequences"] == NUM_PROMPTS + 3 and stats["blocks"] == len(rows)
 
 
 def test_without_ray_two_worker_processes_write_what_ray_writes(tiny_checkpoint, prompt_file, tmp_path):
@@ -89,7 +127,7 @@ def test_without_ray_two_worker_processes_write_what_ray_writes(tiny_checkpoint,
     without = run(tiny_checkpoint, prompt_file, tmp_path / "none", lines.append, ray=RayConfig(address="none", num_workers=2))
     pids = [int(p) for p in re.search(r"2 workers ready \(pids \[(\d+), (\d+)\]\)", "\n".join(lines)).groups()]
     assert len(set(pids)) == 2 and os.getpid() not in pids  # each replica in a process of its own
-    assert without.name == with_ray.name  # the same settings, so the same run key
+    assert store_of(without).name == store_of(with_ray).name  # the same settings, so the same store key
     assert sorted(map(str, rows_of(without))) == sorted(map(str, rows_of(with_ray)))
 
 
@@ -101,7 +139,7 @@ def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path
 
     @flow
     def data_path() -> tuple[str, dict]:
-        folder = generate_trajectories_task(
+        selection = generate_trajectories_task(
             model={"name_or_path": str(tiny_checkpoint)},
             prompts={"path": str(prompt_file), "field": "prompt", "chat_template": False},
             trajectory={"block_size": 4, "max_new_tokens": 8},
@@ -109,11 +147,11 @@ def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path
             out_dir=str(tmp_path / "trajectories"),
             prompts_per_shard=3,
         )
-        return folder, pack_trajectories_task(folder, str(tmp_path / "packed"), {"window": 4})
+        return selection, pack_trajectories_task(selection, str(tmp_path / "packed"), {"window": 4})
 
-    folder, stats = data_path()
-    assert json.loads((Path(folder) / "manifest.json").read_text())["complete"]
-    assert stats["sequences"] == NUM_PROMPTS and stats["blocks"] == len(rows_of(Path(folder)))
+    selection, stats = data_path()
+    assert json.loads(Path(selection).read_text())["num_prompts"] == NUM_PROMPTS
+    assert stats["sequences"] == NUM_PROMPTS and stats["blocks"] == len(rows_of(Path(selection)))
     assert (tmp_path / "packed" / "stats.json").is_file()
 
 
@@ -121,7 +159,7 @@ def test_packing_refuses_an_unfinished_run(tiny_checkpoint, prompt_file, tmp_pat
     from jfcore.packing import PackingConfig, PackingError
     from tasks.packing import pack_trajectories
 
-    folder = run(tiny_checkpoint, prompt_file, tmp_path)
+    folder = store_of(run(tiny_checkpoint, prompt_file, tmp_path))  # a run folder written by earlier versions
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
     with pytest.raises(PackingError, match="unfinished trajectory run"):
@@ -184,4 +222,4 @@ def test_smollm2_on_two_workers_survives_a_kill(tmp_path):
     assert_same_rows_no_duplicates(folder, undisturbed)
     lines: list[str] = []
     generate(tmp_path / "killed", lines.append)  # a rerun finds everything done
-    assert any("8/8 shards already complete, 0 to make" in line for line in lines)
+    assert any("32 already decoded with this model and settings (reused), 0 to decode" in line for line in lines)

@@ -3,8 +3,9 @@
 Run it under a launcher (torchrun or deepspeed) that sets RANK, WORLD_SIZE and
 LOCAL_RANK; `tasks.training` does that. It trains, checkpoints every
 `checkpoint_every` optimizer steps (model, optimizer, scheduler, data position,
-RNG), resumes from the newest complete checkpoint, and exports the final model
-as a plain HF checkpoint with its tokenizer.
+RNG), resumes from the newest complete checkpoint that loads (an unreadable one
+is skipped for the one before), and exports the final model as a plain HF
+checkpoint with its tokenizer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import os
 import shutil
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from jfcore.atomic import atomic_write
+from jfcore.atomic import atomic_write, fsync_dir, fsync_tree
 from jfcore.config import ConfigError, replace, to_dict
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training.batch import collate
@@ -46,6 +48,10 @@ OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "
 
 class ResumeError(RuntimeError):
     """A checkpoint exists but cannot continue this run."""
+
+
+class MetricsError(RuntimeError):
+    """metrics.jsonl holds a broken record that a crash mid-write cannot explain."""
 
 
 @dataclass
@@ -219,30 +225,89 @@ def _plain_grad_norm(engine) -> float | None:
 
 
 def _resume(engine, folder: Path, schedule: dict) -> int:
+    """Load the newest complete checkpoint that every rank can read; an unreadable one (a truncated or
+    missing file) is skipped with a warning, and the next older one tried. Every rank tries the same list
+    in the same order and they agree after each try, so all continue from the same step."""
     tags = complete_checkpoints(folder)
-    if not tags:
-        return 0
-    path, client = engine.load_checkpoint(str(folder), tag=tags[-1])
-    if path is None:
-        raise ResumeError(f"{folder / tags[-1]} could not be loaded; delete it to resume from an older one")
-    changed = {k: (client["schedule"].get(k), v) for k, v in schedule.items() if client["schedule"].get(k) != v}
+    for newer, tag in enumerate(reversed(tags)):
+        saved = json.loads((folder / tag / COMPLETE).read_text()).get("schedule")
+        if saved is not None:  # before loading: DeepSpeed fails on some changes (ZeRO's world size) as if unreadable
+            _check_schedule(folder / tag, saved, schedule)
+        then = "falling back to the previous complete one" if newer < len(tags) - 1 else "no older one is left"
+        client = _load(engine, folder / tag, then)
+        if client is None:
+            continue
+        _check_schedule(folder / tag, client["schedule"], schedule)
+        if dist.get_rank() == 0:
+            for skipped in tags[len(tags) - newer :]:  # unreadable: not complete any more, not tried again
+                (folder / skipped / COMPLETE).unlink(missing_ok=True)
+            print(f"resumed from step {client['step']} (checkpoint {folder / tag})", flush=True)
+        torch.set_rng_state(client["rng"])
+        return client["step"]
+    if tags:  # the weights may be half-loaded from one of them: training on from step 0 would be wrong
+        raise ResumeError(
+            f"none of the complete checkpoints in {folder} ({', '.join(tags)}) could be loaded (see the warnings "
+            "above); move the folder away, or set resume: false, to start over"
+        )
+    return 0
+
+
+def _load(engine, path: Path, then: str) -> dict | None:
+    """The checkpoint's client state if every rank loaded it, else None (after a warning from rank 0
+    that ends with `then`)."""
+    try:
+        loaded, client = engine.load_checkpoint(str(path.parent), tag=path.name)
+        error = None if loaded is not None else "DeepSpeed found no model states in it"
+    except Exception as err:  # noqa: BLE001 (any failure to read it means: try an older one)
+        error = _reason(err)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # a rank that loaded it must not go on alone
+    failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+    if not failed:
+        return client
+    if dist.get_rank() == 0:
+        where = "" if len(failed) == len(errors) else f" on rank {', '.join(map(str, failed))}"
+        reasons = "; ".join(dict.fromkeys(failed.values()))  # once each, though every rank may give it
+        print(f"warning: checkpoint {path} is unreadable{where} ({reasons}); {then}", flush=True)
+    return None
+
+
+def _reason(err: Exception) -> str:
+    """One line: the error's first line, or where it was raised if it has no message (DeepSpeed's asserts)."""
+    lines = str(err).strip().splitlines()
+    if lines:
+        text = lines[0] if len(lines[0]) <= 200 else lines[0][:200] + "..."
+    else:
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        text = f"raised at {Path(frame.filename).name}:{frame.lineno}"
+    return f"{type(err).__name__}: {text}"
+
+
+def _check_schedule(path: Path, saved: dict, schedule: dict) -> None:
+    changed = {k: (saved.get(k), v) for k, v in schedule.items() if saved.get(k) != v}
     if changed:
         detail = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changed.items())
         raise ResumeError(
-            f"{folder / tags[-1]} belongs to a run with other settings ({detail}); resuming would not continue "
+            f"{path} belongs to a run with other settings ({detail}); resuming would not continue "
             "it. Use a fresh output_dir, or set resume: false to start over"
         )
-    torch.set_rng_state(client["rng"])
-    return client["step"]
 
 
 def _save(engine, folder: Path, step: int, schedule: dict, keep: int) -> None:
     tag = f"step-{step:07d}"
+    # A marker must never name a folder being rewritten (after a fallback, its steps are redone). No rank
+    # writes into it before save_checkpoint's first barrier, so rank 0 removing it here is in time.
+    if dist.get_rank() == 0:
+        (folder / tag / COMPLETE).unlink(missing_ok=True)
     engine.save_checkpoint(str(folder), tag=tag, client_state={"step": step, "schedule": schedule,
                                                               "rng": torch.get_rng_state()})  # fmt: skip
-    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: each node flushes its own page cache
+        fsync_tree(folder / tag)
+        fsync_dir(folder)
+    dist.barrier()  # the marker below must not name data still in some node's page cache
     if dist.get_rank() == 0:
-        atomic_write(folder / tag / COMPLETE, lambda tmp: tmp.write_text(json.dumps({"step": step})))
+        marker = {"step": step, "schedule": schedule}
+        atomic_write(folder / tag / COMPLETE, lambda tmp: tmp.write_text(json.dumps(marker)))
         for old in complete_checkpoints(folder)[:-keep]:
             shutil.rmtree(folder / old, ignore_errors=True)
     dist.barrier()
@@ -252,8 +317,29 @@ def _truncate_metrics(path: Path, start: int) -> None:
     """Keep the records up to the step training resumes from; later ones are about to be redone."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
-    atomic_write(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    kept = [r for r in read_metrics(path) if r["step"] <= start] if start else []
+    atomic_write(path, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in kept)))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, oldest first. A crash mid-write can tear only the last line: that
+    one is dropped with a warning (its step is redone on resume); a broken line before it is an error."""
+    if not path.is_file():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                raise MetricsError(
+                    f"{path} line {number} is not a JSON record ({err}): {line[:80]!r}. Only a last line can be "
+                    "torn by a crash, so the file was changed by hand or the disk is failing; delete that line"
+                ) from err
+            print(f"warning: {path} line {number} is torn (a crash while writing it): {line[:80]!r}; dropping it",
+                  flush=True)  # fmt: skip
+    return records
 
 
 def _export(engine, tokenizer, final: Path, metadata: dict) -> None:
@@ -272,6 +358,8 @@ def _export(engine, tokenizer, final: Path, metadata: dict) -> None:
             model.save_pretrained(staging, state_dict=state)
             tokenizer.save_pretrained(staging)
             (staging / "jacobi_forcing.json").write_text(json.dumps(metadata, indent=2, default=str))
+            fsync_tree(staging)  # before the rename: `final` must never name data a power loss could take
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
+            fsync_dir(final.parent)
     dist.barrier()
