@@ -38,6 +38,8 @@ def packed_problem(folder: str | Path) -> str | None:
     """Why `folder` is not a complete packed set (None when it is): stats.json present, every shard it lists
     readable, and their rows adding up to its sequence count."""
     folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder} is new"
     if not (folder / STATS).is_file():
         return f"{folder / STATS} is missing"
     stats = json.loads((folder / STATS).read_text())
