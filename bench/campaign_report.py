@@ -79,6 +79,7 @@ def phase_figures(state: dict, campaign) -> dict:
         key = f"trajectories/{plan.name}"
         try:
             folder = latest_trajectories(plan)
+            folder = folder.parent.parent if folder.is_file() else folder  # a selection file: its store
         except ConfigError:  # not generated (yet)
             continue
         generated = sum(sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())

@@ -95,11 +95,12 @@ def jacobi_forcing(recipe: str | dict = DEFAULT_RECIPE, stages: list[str] | None
 def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: TrackingConfig, log) -> dict:
     registry = bool(tracking.uri and tracking.registered_model)
     champion = champion_version(tracking) if registry else None
+    # downloaded once into work_dir/registry, for retraining from it and for the gate's evaluation
+    champion_dir = str(fetch_version(tracking, champion, config.path("registry"))) if champion else None
     start = config.model
     if config.retrain_from == "champion" and "train" in chosen:
         if champion:
-            start = replace(config.model, name_or_path=str(fetch_version(tracking, champion, config.path("registry"))),
-                            gguf_file=None)  # fmt: skip
+            start = replace(config.model, name_or_path=champion_dir, gguf_file=None)
             log.info(f"retrain_from champion: training starts from {tracking.registered_model} v{champion}")
         else:
             log.info("retrain_from champion: the registry has no champion yet; training starts from the base model")
@@ -126,8 +127,7 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
     if "evaluate" in chosen:
         rival = None
         if champion and champion != str(logged.get("version")):
-            rival = (str(fetch_version(tracking, champion, config.path("registry"))),
-                     f"models:/{tracking.registered_model}/{champion}")  # fmt: skip
+            rival = (champion_dir, f"models:/{tracking.registered_model}/{champion}")
         evaluation = config.eval_config(final, logged.get("model_uri"), rival)
         result["evaluation"] = evaluate_task(to_dict(evaluation), asdict(config.ray), to_dict(tracking))
         if "register" in chosen and registry:

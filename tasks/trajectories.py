@@ -103,11 +103,12 @@ def _decode(model, prompt_set: PromptSet, keys, todo, tokenizer_fp, trajectory, 
         raise RuntimeError("the workers loaded a different tokenizer than the driver; check the model path")
     settings = {"model": asdict(model), "model_fingerprint": model_fp, "tokenizer_fingerprint": tokenizer_fp,
                 "trajectory": asdict(trajectory)}  # fmt: skip
-    recorded = read_manifest(store).get("settings", {}).get("model_fingerprint")
+    manifest = read_manifest(store)
+    recorded = manifest.get("settings", {}).get("model_fingerprint")
     if recorded not in (None, model_fp):
         raise RuntimeError(f"{store} holds trajectories of weights {recorded}, but the files it was named after now "
                            f"load as {model_fp}; move the store away (its files were rewritten in place?)")  # fmt: skip
-    names = [int(m.group(1)) for name in read_manifest(store)["shards"] if (m := re.match(r"shard-(\d+)", name))]
+    names = [int(m.group(1)) for name in manifest["shards"] if (m := re.match(r"shard-(\d+)", name))]
     specs = plan_shards(len(todo), prompts_per_shard, first_index=max(names, default=-1) + 1)
 
     def submit(worker, spec: ShardSpec):
