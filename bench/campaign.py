@@ -211,7 +211,7 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
             decoding = replace(r.evaluation.decoding, block_size=n, ngram_size=n, max_new_tokens=s.curve.max_new_tokens)
             config = EvalConfig(str(campaign.work_dir / "curve"), {point["label"]: EvalModel(point["model"])},
                                 s.curve.benchmarks, point["label"], decoding, r.evaluation.problems_per_shard,
-                                r.evaluation.data_dir)  # fmt: skip
+                                r.evaluation.data_dir, r.evaluation.unsafe_no_isolation)  # fmt: skip
             log(f"learning curve: {point['label']} (block size {n})")
             results["curve"][point["label"]] = _summary(run_evaluation(config, r.ray, log=log))
     final = r.final_model()
@@ -223,7 +223,8 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
         benchmarks = tuple(replace(b, limit=s.fp32_check) for b in r.evaluation.benchmarks[:1])
         decoding = replace(r.evaluation.decoding, max_new_tokens=min(r.evaluation.decoding.max_new_tokens, 128))
         config = EvalConfig(str(campaign.work_dir / "fp32-check"), {"trained-fp32": EvalModel(model)}, benchmarks,
-                            "trained-fp32", decoding, r.evaluation.problems_per_shard, r.evaluation.data_dir)  # fmt: skip
+                            "trained-fp32", decoding, r.evaluation.problems_per_shard, r.evaluation.data_dir,
+                            r.evaluation.unsafe_no_isolation)  # fmt: skip
         log(f"float32 exactness check: {s.fp32_check} problems")
         results["fp32_check"] = _summary(run_evaluation(config, r.ray, log=log))
     return results

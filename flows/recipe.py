@@ -58,6 +58,7 @@ class EvaluationSection:
     decoding: DecodingSettings = field(default_factory=DecodingSettings)
     problems_per_shard: int = 4
     data_dir: str | None = None
+    unsafe_no_isolation: bool = False  # model-written programs without OS isolation (README: the sandbox)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class Recipe:
         if champion:
             models["champion"] = EvalModel(replace(self.model, name_or_path=champion[0], gguf_file=None), champion[1])
         return EvalConfig(str(self.path("eval")), models, e.benchmarks, "base", e.decoding, e.problems_per_shard,
-                          e.data_dir)  # fmt: skip
+                          e.data_dir, e.unsafe_no_isolation)  # fmt: skip
 
 
 def load_recipe(source: str | Path | dict, overrides: dict | None = None) -> Recipe:

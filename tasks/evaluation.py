@@ -24,6 +24,7 @@ from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.eval.benchmarks import Problem, load_benchmark
 from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.eval.isolation import IsolationUnavailable, require_isolation
 from jfcore.eval.report import ALL, REPORT_FILES, write_report
 from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
@@ -41,13 +42,13 @@ METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact
 class EvalWorker:
     """Holds every model under evaluation; turns a shard of problems into a shard of sample rows."""
 
-    def __init__(self, models: dict, decoding: dict, threads: int):
+    def __init__(self, models: dict, decoding: dict, isolated: bool, threads: int):
         import torch
 
         torch.set_num_threads(threads)
         settings = from_dict(DecodingSettings, decoding, "decoding")
         self.models = load_models({k: from_dict(EvalModel, v, f"models.{k}") for k, v in models.items()}, settings)
-        self.evaluator = Evaluator(self.models, settings)
+        self.evaluator = Evaluator(self.models, settings, isolated)
 
     def fingerprints(self) -> dict[str, dict[str, str]]:
         return fingerprints(self.models)
@@ -67,11 +68,12 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
     counts = {b.name: sum(p.benchmark == b.name for p in problems) for b in config.benchmarks}
     log(f"{len(problems)} problems ({', '.join(f'{k} {v}' for k, v in counts.items())}) x models "
         f"{', '.join(config.models)} x methods {', '.join(config.decoding.methods)}")  # fmt: skip
+    isolation = code_isolation(config, problems, log)
 
     # Workers need not share the driver's working folder.
     models = {label: asdict(m) | {"model": asdict(with_absolute_path(m.model))} for label, m in config.models.items()}
     with ray_session(ray_config):
-        workers = start_workers(EvalWorker, ray_config, models, asdict(config.decoding))
+        workers = start_workers(EvalWorker, ray_config, models, asdict(config.decoding), not config.unsafe_no_isolation)
         prints = get(workers[0].fingerprints.remote())
         for label, fp in prints.items():
             if fp["tokenizer"] != tokenizers[label]:
@@ -83,6 +85,7 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
             "decoding": asdict(config.decoding),
             "problems_per_shard": config.problems_per_shard,
             "sample_columns": SAMPLE_SCHEMA.names,  # shards written with other columns are not reused
+            "code_isolation": isolation,  # verdicts given without isolation are never mixed with isolated ones
         }  # fmt: skip
         folder = Path(config.output_dir).resolve() / run_key(**settings)
         specs = plan_shards(len(problems), config.problems_per_shard)
@@ -94,15 +97,29 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
 
     samples = [row for spec in specs for row in pq.read_table(folder / spec.name).to_pylist()]
     report = write_report(folder / REPORT, samples, config.baseline)
-    write_manifest(folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems)})
+    write_manifest(folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems),
+                                                    "code_isolation": isolation})  # fmt: skip
     log("\n" + report["markdown"])
     result = {"folder": str(folder), "report": str(folder / REPORT), "markdown": report["markdown"],
-              "table": report["table"], "exact": report["exact"], "mlflow_run_id": None}  # fmt: skip
+              "table": report["table"], "exact": report["exact"], "code_isolation": isolation,
+              "mlflow_run_id": None}  # fmt: skip
     if tracking.uri:
         datasets = {b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name]
                     for b in config.benchmarks}  # fmt: skip
         result["mlflow_run_id"] = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
     return result
+
+
+def code_isolation(config: EvalConfig, problems: list[Problem], log: Callable[[str], None]) -> str | None:
+    """How model-written programs will run: refuses to start when they cannot be isolated, unless told it is unsafe."""
+    if not any(p.code for p in problems):
+        return None
+    if config.unsafe_no_isolation:
+        log("WARNING: unsafe_no_isolation is set: model-written programs run WITHOUT operating-system isolation, "
+            "guarded only by an in-process audit hook that hostile code can defeat; recorded with the results")  # fmt: skip
+        return "unsafe: none (unsafe_no_isolation)"
+    require_isolation()
+    return "bubblewrap namespaces, unprivileged uid"
 
 
 def _digest(items: list) -> str:
@@ -203,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     """jf-eval --config RECIPE: run (or resume) the evaluation stage alone."""
     result = stage_main(argv, "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.", SECTIONS,
                         lambda c: run_evaluation(c["eval"], c["ray"], c["tracking"]),
-                        (ConfigError, ModelLoadError, FileNotFoundError))  # fmt: skip
+                        (ConfigError, ModelLoadError, FileNotFoundError, IsolationUnavailable))  # fmt: skip
     print(f"\nreport: {result['report']}" + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else ""))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from jfcore.config import ConfigError, from_dict
 from jfcore.decoding.reference import hf_generate
 from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
 from jfcore.eval.config import EvalConfig
+from jfcore.eval.isolation import IsolationUnavailable, isolation_problem
 from jfcore.eval.report import REPORT_FILES
 from jfcore.models import ModelConfig, ModelLoadError, load_model
 from tasks.evaluation import run_evaluation
@@ -169,6 +171,25 @@ def test_bad_inputs_fail_before_ray_starts(setup, tmp_path):
     with pytest.raises(ConfigError, match="unknown benchmark|is not one of"):
         eval_config(setup, benchmarks=[{"name": "humaneval+"}])
     assert not ray.is_initialized()
+
+
+def test_code_evaluation_refuses_to_run_unisolated_unless_told_it_is_unsafe(setup, evaluated, tmp_path, monkeypatch):
+    assert evaluated[0]["code_isolation"] == "bubblewrap namespaces, unprivileged uid"
+    monkeypatch.setenv("PATH", "/nonexistent")  # a host without bubblewrap
+    isolation_problem.cache_clear()
+    try:
+        with pytest.raises(IsolationUnavailable, match="bubblewrap .* is not installed.*unsafe_no_isolation: true"):
+            run_evaluation(eval_config(setup, output_dir=str(tmp_path)))
+        assert not ray.is_initialized()
+        lines: list[str] = []
+        config = eval_config(setup, output_dir=str(tmp_path), unsafe_no_isolation=True)
+        result = run_evaluation(config, RayConfig(address="none"), log=lines.append)
+    finally:
+        isolation_problem.cache_clear()
+    assert any(line.startswith("WARNING: unsafe_no_isolation is set") for line in lines)
+    manifest = json.loads((Path(result["folder"]) / "manifest.json").read_text())
+    assert result["code_isolation"] == manifest["code_isolation"] == "unsafe: none (unsafe_no_isolation)"
+    assert Path(result["folder"]).parent == tmp_path  # its own run folder: never mixed with isolated verdicts
 
 
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):

@@ -1,5 +1,5 @@
 """Decoder invariants: every forward commits >= 1 token, the cache holds exactly the
-committed text, and recorded trajectories obey DESIGN.md's trajectory rules."""
+committed text, and recorded trajectories obey the trajectory rules of docs/DESIGN.md, section 3."""
 
 from __future__ import annotations
 

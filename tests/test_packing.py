@@ -1,4 +1,4 @@
-"""Packing trajectories into training sequences (DESIGN.md section 2): the packing invariants on
+"""Packing trajectories into training sequences (docs/DESIGN.md, sections 4 and 5): the packing invariants on
 real trajectories of a tiny random model, the noise schedule, max_length, stats, and the inputs
 that must be refused with a clear message."""
 

@@ -73,16 +73,17 @@ def two_runs(stack, recipe):
     wait_for(lambda: any(train.glob("*/checkpoints/step-*/jf_complete.json")), 600, "a complete training checkpoint")
     prefect(stack, "flow-run", "cancel", first)
     wait_for(lambda: state_of(stack, first) in ("CANCELLED", "FAILED", "CRASHED"), 120, "the cancelled flow run")
-    wait_for(lambda: not _training_processes(), 60, "the training processes to go")
+    wait_for(lambda: not _training_processes(stack["root"]), 60, "the training processes to go")
     kept = sorted(p.parent.name for p in train.glob("*/checkpoints/step-*/jf_complete.json"))
     second = start_run(stack, recipe)
     prefect(stack, "flow-run", "watch", second, timeout=900)
     return {"first": first, "second": second, "kept": kept, "logs": prefect(stack, "flow-run", "logs", second)}
 
 
-def _training_processes() -> list[str]:
+def _training_processes(root: Path) -> list[str]:
+    """This test's training processes (their launch file is under `root`; other training may run beside it)."""
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in ps.splitlines() if "tasks.train_worker" in line]
+    return [line for line in ps.splitlines() if "tasks.train_worker" in line and str(root) in line]
 
 
 def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):

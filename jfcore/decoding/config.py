@@ -25,7 +25,7 @@ class DecodeConfig:
     # "random" samples the vocabulary uniformly. Seeded by `seed`.
     filler: Literal["context", "random"] = "context"
     seed: int = 0
-    # Multiblock + rejection recycling (DESIGN.md: start with n=64, K=2, pool 4, r=0.85).
+    # Multiblock + rejection recycling (docs/DESIGN.md, section 7; the published starting point: n=64, K=2, pool 4, r=0.85).
     num_blocks: int = 2
     spawn_ratio: float = 0.85
     pool_size: int = 4

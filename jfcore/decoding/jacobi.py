@@ -1,4 +1,4 @@
-"""Greedy Jacobi decoding on a KV cache (DESIGN.md section 2).
+"""Greedy Jacobi decoding on a KV cache (docs/DESIGN.md, sections 1 and 7).
 
 A row's in-flight draft is a list of blocks laid end to end on top of its
 committed text. Block 0 (real-active) starts with the known next greedy

@@ -58,10 +58,10 @@ class Problem:
     gold: str  # the reference answer (math) or program (code)
     code: CodeProblem | None = None
 
-    def score(self, completion: str) -> Score:
+    def score(self, completion: str, isolated: bool = True) -> Score:
         """How one completion scores, through the same path for models and references."""
         if self.code is not None:
-            verdict = score_completion(self.code, completion)
+            verdict = score_completion(self.code, completion, isolated=isolated)
             detail = verdict.status if verdict.passed else f"{verdict.status}: {verdict.detail}"
             return Score(verdict.passed, verdict.status, detail)
         judge = gsm8k_correct if self.benchmark == "gsm8k" else math_correct

@@ -68,11 +68,13 @@ def mbpp_problem(row: dict, benchmark: str = "mbpp") -> CodeProblem:
     )  # fmt: skip
 
 
-def score_completion(problem: CodeProblem, completion: str, limits: SandboxLimits | None = None) -> Verdict:
+def score_completion(problem: CodeProblem, completion: str, limits: SandboxLimits | None = None,
+                     isolated: bool = True) -> Verdict:  # fmt: skip
     """Pass@1 verdict of one completion: its program, judged by the problem's tests.
 
-    `limits` default to the problem's CPU budget scaled to this host.
+    `limits` default to the problem's CPU budget scaled to this host; `isolated=False` is the unsafe flag.
     """
     program = extract_program(completion, problem.stub, problem.entry_point)
     limits = limits or SandboxLimits(cpu_s=scaled(problem.cpu_budget_s))
-    return judge(program, problem.tests, context=problem.context, after=problem.after, limits=limits)
+    return judge(program, problem.tests, context=problem.context, after=problem.after, limits=limits,
+                 isolated=isolated)  # fmt: skip

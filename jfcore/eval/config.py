@@ -59,6 +59,9 @@ class EvalConfig:
     decoding: DecodingSettings = field(default_factory=DecodingSettings)
     problems_per_shard: int = 4  # the unit of work for a worker and of resuming
     data_dir: str | None = None  # the shared data folder; default $JF_SHARED_DATA or ../shared/data
+    # Run model-written programs without operating-system isolation (jfcore.eval.isolation), on a host that
+    # cannot provide it, and only for trusted programs; logged, and recorded with the results.
+    unsafe_no_isolation: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.models), "eval.models: name at least one model, e.g. {base: {model: {name_or_path: ...}}}")

@@ -73,9 +73,10 @@ def fingerprints(models: dict[str, LoadedModel]) -> dict[str, dict[str, str]]:
 class Evaluator:
     """Holds the loaded models; turns problems into scored sample rows."""
 
-    def __init__(self, models: dict[str, LoadedModel], settings: DecodingSettings):
+    def __init__(self, models: dict[str, LoadedModel], settings: DecodingSettings, isolated: bool = True):
         self.models = models
         self.settings = settings
+        self.isolated = isolated  # False: programs run without operating-system isolation (the unsafe flag)
         self.pairs = [(label, method) for label in models for method in settings.methods]
         self.warm = settings.warmup_tokens == 0
 
@@ -108,7 +109,7 @@ class Evaluator:
             tokens, reference = run.sequences[0], runs[label, REFERENCE].sequences[0]
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if text not in scores:
-                scores[text] = problem.score(text)
+                scores[text] = problem.score(text, self.isolated)
             score = scores[text]
             rows.append({
                 "benchmark": problem.benchmark, "problem_id": problem.id, "model": label, "method": method,

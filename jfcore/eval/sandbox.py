@@ -1,11 +1,13 @@
 """Running model-written code safely, and judging it with the benchmark's own tests.
 
 Two processes per program:
-- the program runs in `sandbox_server.py`: a separate Python process in its own session,
-  in a fresh temporary folder, with a minimal environment (no inherited secrets), CPU time,
-  address space, file size and process-count limits, and an audit hook refusing processes,
-  signals, sockets, ctypes and writes outside its folder; on timeout its whole process group
-  is killed;
+- the program runs in `sandbox_server.py`, inside operating-system isolation
+  (`jfcore.eval.isolation`: its own pid, network, mount, ipc and uts namespaces, an
+  unprivileged uid without capabilities, a read-only system, a size-capped tmpfs as its
+  only writable folder, a minimal environment), with CPU time, address space, file size,
+  open file and process-count limits, and an audit hook as a first tripwire that says
+  early what a benchmark solution never needs; on a timeout or at the verdict its whole
+  pid namespace is killed;
 - the tests run here, in the trusted process. The program's functions are bound as proxies
   that forward each call to the sandbox and unpickle the answer with `PlainData` (plain
   Python values only), so the verdict cannot be forged: printing "passed", exiting early,
@@ -15,6 +17,10 @@ Time: CPU seconds decide a timeout, so a correct program is not failed because t
 is busy (other processes share its cores) or slow (callers scale the budget with
 `jfcore.hostspeed.slowdown()`). The wall clock is only a backstop, for programs that wait
 instead of computing (a sleep, a blocked read), and is generous on purpose.
+
+`isolated=False` (the evaluation's `unsafe_no_isolation`) runs the server as a plain
+child process with the audit hook as its only wall: for hosts without namespaces, and
+only for trusted programs.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ast
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import pickle
@@ -40,13 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from jfcore.eval.isolation import ENVIRONMENT, IsolationUnavailable, require_isolation, sandbox_command
+
 SERVER = Path(__file__).with_name("sandbox_server.py")
 REFERENCE = "__jf_sandbox_reference__"  # the same marker as in sandbox_server.py
 # The wall-clock backstop leaves room for a host running other work on every core: a program
 # that gets a quarter of a core still finishes inside it before it runs out of CPU time.
 WALL_PER_CPU, WALL_SLACK_S = 4.0, 10.0
-# What a program's environment keeps; everything else (tokens, keys, cloud credentials) is dropped.
-ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class SandboxFailure(Exception):
@@ -57,13 +64,19 @@ class ProgramLoadError(SandboxFailure):
     """Running the program's top level failed (or it exited) before any test could call it."""
 
 
+class SandboxUnavailable(RuntimeError):
+    """The sandbox itself could not start: a fault of the host, never a verdict on the program."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     cpu_s: float = 10.0  # CPU seconds for loading the program and every call together: the budget
     wall_s: float | None = None  # backstop for waiting programs; default WALL_PER_CPU x cpu_s + WALL_SLACK_S
     memory_mb: int = 1024  # address space
     file_mb: int = 16  # largest file the program may write
-    processes: int = 64  # RLIMIT_NPROC (counts the user's processes; root is exempt, the audit hook is not)
+    disk_mb: int = 64  # size of its tmpfs, all its files together (isolated only)
+    open_files: int = 256
+    processes: int = 64  # RLIMIT_NPROC: the sandbox uid's processes and threads (root, unisolated, is exempt)
 
     @property
     def wall_backstop_s(self) -> float:
@@ -99,22 +112,29 @@ class PlainData(pickle.Unpickler):
 class Sandbox:
     """One loaded program; `call(name, *args)` runs one of its functions in the sandbox."""
 
-    def __init__(self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None):
+    def __init__(self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None,
+                 isolated: bool = True):  # fmt: skip
         self.limits = limits or SandboxLimits()
         self.deadline = time.monotonic() + self.limits.wall_backstop_s
-        self.folder = tempfile.mkdtemp(prefix="jf-sandbox-")
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, cwd=self.folder, env=ENVIRONMENT | {"HOME": self.folder},
-            start_new_session=True, close_fds=True,
-        )  # fmt: skip
         self.seq = 0
         self.cpu_seconds = 0.0  # CPU time the program has used, as of the last answer or its end
+        self.folder = self.pidfd = self.pid = None
+        self.isolated = isolated
+        if isolated:
+            self._start_isolated()
+        else:
+            self.folder = tempfile.mkdtemp(prefix="jf-sandbox-")
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, cwd=self.folder, env=ENVIRONMENT | {"HOME": self.folder},
+                start_new_session=True, close_fds=True,
+            )  # fmt: skip
+            self.pid = self.process.pid
         try:
+            # soft = hard: SIGKILL at the budget (the isolated server is its namespace's pid 1, which ignores SIGXCPU)
             mb, cpu = 1 << 20, math.ceil(self.limits.cpu_s)
-            # (soft, hard): SIGXCPU at the budget, SIGKILL a second later should the program ignore it
-            limits = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": self.limits.memory_mb * mb,
-                      "RLIMIT_FSIZE": self.limits.file_mb * mb, "RLIMIT_NPROC": self.limits.processes, "RLIMIT_CORE": 0}  # fmt: skip
+            limits = {"RLIMIT_CPU": cpu, "RLIMIT_AS": self.limits.memory_mb * mb, "RLIMIT_FSIZE": self.limits.file_mb * mb,
+                      "RLIMIT_NOFILE": self.limits.open_files, "RLIMIT_NPROC": self.limits.processes, "RLIMIT_CORE": 0}  # fmt: skip
             self._send({"module": module, "program": program, "after": after, "limits": limits})
             answer = self._receive(0)
             if answer[1] == "load_error":
@@ -122,6 +142,45 @@ class Sandbox:
         except BaseException:
             self.close()  # the with-block never starts, so clean up here
             raise
+
+    def _start_isolated(self) -> None:
+        require_isolation()
+        info, info_write = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                sandbox_command(str(SERVER), tmpfs_mb=self.limits.disk_mb, info_fd=info_write),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENVIRONMENT,
+                start_new_session=True, pass_fds=(info_write,),
+            )  # fmt: skip
+        except OSError as err:
+            os.close(info)
+            raise SandboxUnavailable(f"bwrap could not be started: {err}") from err
+        finally:
+            os.close(info_write)
+        try:
+            self.pid = self._child_pid(info)
+            with contextlib.suppress(ProcessLookupError):
+                self.pidfd = os.pidfd_open(self.pid)  # kills the right process even after its pid is reused
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(info)
+
+    def _child_pid(self, fd: int) -> int:
+        """The server's pid on this host, which bwrap writes to its info pipe once the namespaces exist."""
+        data = b""
+        while True:
+            if not select.select([fd], [], [], max(self.deadline - time.monotonic(), 0))[0]:
+                break
+            chunk = os.read(fd, 4096)
+            data += chunk
+            with contextlib.suppress(ValueError):
+                return int(json.loads(data)["child-pid"])
+            if not chunk:
+                break
+        error = self.process.stderr.read().decode(errors="replace").strip()[-300:] if self.process.poll() is not None else ""
+        raise SandboxUnavailable(f"the sandbox did not start (bwrap: {error or 'no answer'})")
 
     def call(self, name: str, *args, **kwargs):
         self.seq += 1
@@ -170,24 +229,41 @@ class Sandbox:
         return answer
 
     def _cpu_now(self) -> float:
-        """User + system CPU seconds of the program's process (readable until it is reaped)."""
+        """User + system CPU seconds of the server's process (readable until it is reaped)."""
         try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, TypeError):  # gone, or never started
             return self.cpu_seconds
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return max(self.cpu_seconds, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+
+    def _reap(self, timeout: float | None) -> int | None:
+        """Wait for the child to exit; its exit code (a signal as -n), and its CPU time from the kernel's accounting."""
+        if self.process.returncode is not None:
+            return self.process.returncode
+        with contextlib.suppress(ChildProcessError):  # reaped already (by Popen.poll)
+            return self._wait(timeout)
+        return self.process.returncode
+
+    def _wait(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(self.process.pid, 0 if deadline is None else os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        code = os.waitstatus_to_exitcode(status)
+        if self.isolated and code > 128:  # bwrap exits with 128 + the signal that ended the program
+            code = 128 - code
+        self.process.returncode = code
+        self.cpu_seconds = max(self.cpu_seconds, usage.ru_utime + usage.ru_stime)  # includes what bwrap reaped
+        return code
 
     def _ended(self, what: str) -> Exception:
         """The error for a process that went away: a timeout when it ran out of CPU time."""
-        deadline = time.monotonic() + 5  # wait for the exit without reaping, so its CPU time can still be read
-        with contextlib.suppress(ChildProcessError):
-            while os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
-        self.cpu_seconds = self._cpu_now()
-        code = self.process.poll()
-        if code == -signal.SIGXCPU or (code == -signal.SIGKILL and self.cpu_seconds > math.ceil(self.limits.cpu_s) - 0.1):
+        code = self._reap(timeout=5)
+        if code == -signal.SIGKILL and self.cpu_seconds > math.ceil(self.limits.cpu_s) - 0.1:
             return TimeoutError(f"the program used up its {self.limits.cpu_s:g} s CPU budget")
         if code is None:
             return SandboxFailure(f"the program's process {what} (still running)")
@@ -196,13 +272,20 @@ class Sandbox:
 
     def close(self) -> None:
         self.cpu_seconds = self._cpu_now()
+        if self.pidfd is not None:  # the isolated server is pid 1 of its namespace: everything in it ends too
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            os.close(self.pidfd)
+            self.pidfd = None
+            self._reap(timeout=5)  # bwrap reaps it and exits, which accounts its CPU time to bwrap
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # everything it started, too
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # unisolated: everything it started, too
+        self._reap(timeout=None)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            with contextlib.suppress(OSError, AttributeError):
                 stream.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -241,7 +324,7 @@ def defined_functions(program: str) -> list[str]:
 
 
 def judge(program: str, tests: str, *, context: str = "", after: str = "", entry_points: list[str] | None = None,
-          limits: SandboxLimits | None = None) -> Verdict:  # fmt: skip
+          limits: SandboxLimits | None = None, isolated: bool = True) -> Verdict:  # fmt: skip
     """Run `tests` here against `program` loaded in a sandbox.
 
     `context` is trusted code run here before the tests (a HumanEval prompt's helpers,
@@ -249,12 +332,13 @@ def judge(program: str, tests: str, *, context: str = "", after: str = "", entry
     test_setup_code, which builds arguments from classes the program defines); the names
     it assigns reach the tests as references to those sandbox values. Calls to
     `entry_points` (default: every function the program defines) go to the sandbox.
+    `isolated=False` runs it without operating-system isolation (trusted programs only).
     """
     name = f"_jf_tests_{uuid.uuid4().hex}"
     module = type(sys)(name)
     sandbox = None
     try:
-        with Sandbox(program, name, after, limits) as sandbox:
+        with Sandbox(program, name, after, limits, isolated) as sandbox:
             exec(compile(context, "<context>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
             for assigned in _assigned_names(after):
                 module.__dict__[assigned] = _Remote(assigned)
@@ -262,6 +346,8 @@ def judge(program: str, tests: str, *, context: str = "", after: str = "", entry
                 module.__dict__[function] = _proxy(sandbox, function)
             exec(compile(tests, "<tests>", "exec"), module.__dict__)  # noqa: S102 (running code is the point)
         verdict = Verdict("passed")
+    except (IsolationUnavailable, SandboxUnavailable):
+        raise  # the host's fault, not the program's: never a verdict
     except TimeoutError as err:
         verdict = Verdict("timeout", str(err))
     except ProgramLoadError as err:

@@ -1,8 +1,9 @@
 """The untrusted side of the code sandbox: loads one model-written program and answers calls into it.
 
-Run as `python -I sandbox_server.py` by jfcore.eval.sandbox, in its own session, in a fresh
-temporary folder, with a minimal environment; it sets its resource limits itself before the
-program runs (the audit hook then refuses changing them). Standard library only.
+Run as `python -I sandbox_server.py` by jfcore.eval.sandbox, inside the operating-system
+isolation of jfcore.eval.isolation (or, unsafe, as a plain child process in a fresh temporary
+folder), with a minimal environment; it sets its resource limits itself before the program
+runs. Standard library only.
 
 The verdict is never decided here: the benchmark's tests run in the trusted process and
 reach the program only through calls answered by this server, so nothing the program
@@ -10,10 +11,11 @@ prints, exits with or writes can count as a pass. Requests and answers are
 length-prefixed pickles; answers are unpickled on the trusted side by an unpickler
 that accepts plain data only.
 
-Before the program runs, an audit hook (which Python code cannot remove) refuses
-what a benchmark solution never needs: processes (fork, exec, spawn, system,
-subprocess), signals to other processes, sockets, ctypes, files written, deleted or
-renamed outside the working folder, and reads under /proc.
+Before the program runs, an audit hook refuses what a benchmark solution never needs, so
+that a program doing it fails early with a clear message. It is a tripwire, not the wall:
+code in the same process can defeat it, and the isolation holds when it does. It refuses
+processes (fork, exec, spawn, system, subprocess), signals to other processes, sockets,
+ctypes, files written, deleted or renamed outside the working folder, and reads under /proc.
 """
 
 import os
@@ -87,11 +89,11 @@ def write_message(stream, message) -> None:
 
 
 def main() -> None:
-    # The protocol gets private copies of stdin/stdout; the program's own prints go nowhere.
+    # The protocol gets private copies of stdin/stdout; the program's own output goes nowhere.
     requests = os.fdopen(os.dup(0), "rb")
     answers = os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1):
+    for fd in (0, 1, 2):
         os.dup2(null, fd)
     setup = read_message(requests)
     for name, value in setup["limits"].items():  # set here, not in a preexec_fn: the parent may have threads

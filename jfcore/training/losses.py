@@ -1,4 +1,4 @@
-"""Training losses (DESIGN.md section 2): L = L_pc + lambda * L_AR.
+"""Training losses (docs/DESIGN.md, section 6): L = L_pc + lambda * L_AR.
 
 Reductions, made explicit because they change the effective weights:
 - L_AR: mean cross-entropy over every scored clean-stream target in the batch.

@@ -1,4 +1,4 @@
-"""The noise-aware attention mask (DESIGN.md section 2).
+"""The noise-aware attention mask (docs/DESIGN.md, section 5).
 
 Two causal streams share the prompt: a query may see an earlier-or-same key
 when the key is in the prompt or in the query's own stream. With the packed
