@@ -58,13 +58,16 @@ def interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+def _under(path: str, covered: list[str]) -> bool:
+    return any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered)
+
+
 def _readable_tree(path: str, covered: list[str]) -> list[str]:
     """bwrap arguments that mount `path` read-only, its missing parents made traversable (bwrap makes them 0700)."""
-    if any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered):
+    if _under(path, covered):
         return []
     parents = [str(p) for p in reversed(Path(path).parents) if str(p) != "/"]
-    args = [a for p in parents if not any(p == c or p.startswith(c + "/") for c in covered)
-            for a in ("--perms", "0755", "--dir", p)]  # fmt: skip
+    args = [a for p in parents if not _under(p, covered) for a in ("--perms", "0755", "--dir", p)]
     covered.append(path)
     return [*args, "--ro-bind", path, path]
 
