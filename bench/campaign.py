@@ -136,8 +136,9 @@ def run_trajectories(campaign: Campaign, plan: StagePlan, log: Log) -> str:
     from tasks.trajectories import generate_trajectories
 
     r = campaign.recipe
-    selection = generate_trajectories(plan.model, plan.prompts, plan.trajectory, r.ray, plan.path("trajectories"),
-                                      r.prompts_per_shard, log=log)  # fmt: skip
+    selection = generate_trajectories(
+        plan.model, plan.prompts, plan.trajectory, r.ray, plan.path("trajectories"), r.prompts_per_shard, log=log
+    )
     return str(selection)
 
 
@@ -163,8 +164,10 @@ def run_packing(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
         return json.loads(stats_file.read_text())
     pad = load_tokenizer(plan.model).pad_token_id
     stats = pack_trajectories(trajectories, plan.path("packed"), replace(plan.packing, pad_token_id=pad))
-    log(f"packed {stats['sequences']} sequences, {stats['tokens']} tokens; "
-        f"{100 * stats['consistency_share']:.0f}% of blocks carry consistency loss")  # fmt: skip
+    log(
+        f"packed {stats['sequences']} sequences, {stats['tokens']} tokens; "
+        f"{100 * stats['consistency_share']:.0f}% of blocks carry consistency loss"
+    )
     return stats
 
 
@@ -182,8 +185,15 @@ def curve_points(campaign: Campaign) -> list[dict]:
     """Every model on the learning curve, in training order: base, then each stage's exports and final model."""
     r = campaign.recipe
     plans = r.stages()
-    points = [{"label": "base", "stage": plans[0].name, "step": 0, "model": r.model,
-               "block_size": plans[0].trajectory.block_size}]  # fmt: skip
+    points = [
+        {
+            "label": "base",
+            "stage": plans[0].name,
+            "step": 0,
+            "model": r.model,
+            "block_size": plans[0].trajectory.block_size,
+        }
+    ]
     for plan in plans:
         train = plan.path("train")
         exports = sorted((train / EXPORTS).glob("step-*/config.json")) if (train / EXPORTS).is_dir() else []
@@ -194,9 +204,15 @@ def curve_points(campaign: Campaign) -> list[dict]:
             step = final_steps if folder.name == FINAL else int(folder.name.removeprefix("step-"))
             if folder.name != FINAL and step == final_steps:
                 continue  # the final model is this export
-            points.append({"label": f"{plan.name}@{step}", "stage": plan.name, "step": step,
-                           "model": replace(r.model, name_or_path=str(folder), gguf_file=None),
-                           "block_size": plan.trajectory.block_size})  # fmt: skip
+            points.append(
+                {
+                    "label": f"{plan.name}@{step}",
+                    "stage": plan.name,
+                    "step": step,
+                    "model": replace(r.model, name_or_path=str(folder), gguf_file=None),
+                    "block_size": plan.trajectory.block_size,
+                }
+            )
     return points
 
 
@@ -209,9 +225,16 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
         for point in curve_points(campaign):
             n = point["block_size"]
             decoding = replace(r.evaluation.decoding, block_size=n, ngram_size=n, max_new_tokens=s.curve.max_new_tokens)
-            config = EvalConfig(str(campaign.work_dir / "curve"), {point["label"]: EvalModel(point["model"])},
-                                s.curve.benchmarks, point["label"], decoding, r.evaluation.problems_per_shard,
-                                r.evaluation.data_dir, r.evaluation.unsafe_no_isolation)  # fmt: skip
+            config = EvalConfig(
+                str(campaign.work_dir / "curve"),
+                {point["label"]: EvalModel(point["model"])},
+                s.curve.benchmarks,
+                point["label"],
+                decoding,
+                r.evaluation.problems_per_shard,
+                r.evaluation.data_dir,
+                r.evaluation.unsafe_no_isolation,
+            )
             log(f"learning curve: {point['label']} (block size {n})")
             results["curve"][point["label"]] = _summary(run_evaluation(config, r.ray, log=log))
     final = r.final_model()
@@ -222,9 +245,16 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
         model = replace(r.model, name_or_path=final, gguf_file=None, dtype="float32")
         benchmarks = tuple(replace(b, limit=s.fp32_check) for b in r.evaluation.benchmarks[:1])
         decoding = replace(r.evaluation.decoding, max_new_tokens=min(r.evaluation.decoding.max_new_tokens, 128))
-        config = EvalConfig(str(campaign.work_dir / "fp32-check"), {"trained-fp32": EvalModel(model)}, benchmarks,
-                            "trained-fp32", decoding, r.evaluation.problems_per_shard, r.evaluation.data_dir,
-                            r.evaluation.unsafe_no_isolation)  # fmt: skip
+        config = EvalConfig(
+            str(campaign.work_dir / "fp32-check"),
+            {"trained-fp32": EvalModel(model)},
+            benchmarks,
+            "trained-fp32",
+            decoding,
+            r.evaluation.problems_per_shard,
+            r.evaluation.data_dir,
+            r.evaluation.unsafe_no_isolation,
+        )
         log(f"float32 exactness check: {s.fp32_check} problems")
         results["fp32_check"] = _summary(run_evaluation(config, r.ray, log=log))
     return results
@@ -238,8 +268,14 @@ def environment() -> dict:
     import torch
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "machine": platform.machine(), "processor": _cpu_name(), "cores": _cores()}  # fmt: skip
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cores": _cores(),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
@@ -273,8 +309,11 @@ def _training_figures(campaign: Campaign, plan: StagePlan) -> dict:
     """Tokens per step and throughput from metrics.jsonl; model FLOPs utilisation on a known accelerator."""
     path = plan.path("train") / METRICS
     rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
-    figures: dict = {"steps": len(rows), "tokens_by_step": [r["tokens"] for r in rows],
-                     "loss": [[r["step"], r["loss"], r["ar_loss"], r["consistency_loss"]] for r in rows]}  # fmt: skip
+    figures: dict = {
+        "steps": len(rows),
+        "tokens_by_step": [r["tokens"] for r in rows],
+        "loss": [[r["step"], r["loss"], r["ar_loss"], r["consistency_loss"]] for r in rows],
+    }
     if rows:
         rates = sorted(r["tokens_per_second"] for r in rows[1:] or rows)
         figures["tokens_per_second"] = rates[len(rates) // 2]  # median, the first step's warm-up left out
@@ -362,8 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phase", default="all", choices=("all", *PHASES))
     parser.add_argument("--stage", help="only this curriculum stage (trajectories, packing, train)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile value")
-    parser.add_argument("--flow", action="store_true", help="run trajectories, packing and training through the "
-                        "Prefect flow first (needs prefect, ray, deepspeed)")  # fmt: skip
+    parser.add_argument(
+        "--flow",
+        action="store_true",
+        help="run trajectories, packing and training through the Prefect flow first (needs prefect, ray, deepspeed)",
+    )
     args = parser.parse_args(argv)
     try:
         campaign = load_campaign(args.profile, args.set)

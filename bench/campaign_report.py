@@ -59,9 +59,17 @@ def curve_rows(campaign, evaluation: dict, training: dict) -> list[dict]:
         tokens = cumulative[min(point["step"], len(cumulative) - 1)]
         extra = sample_figures(result["report"])
         for row in result["table"]:
-            rows.append({"point": point["label"], "stage": point["stage"], "step": point["step"],
-                         "train_tokens": tokens, "block_size": point["block_size"], **_cells(row),
-                         **extra.get((row["benchmark"], row["model"], row["method"]), {})})  # fmt: skip
+            rows.append(
+                {
+                    "point": point["label"],
+                    "stage": point["stage"],
+                    "step": point["step"],
+                    "train_tokens": tokens,
+                    "block_size": point["block_size"],
+                    **_cells(row),
+                    **extra.get((row["benchmark"], row["model"], row["method"]), {}),
+                }
+            )
     return rows
 
 
@@ -72,7 +80,9 @@ def _cells(row: dict) -> dict:
 
 def phase_figures(state: dict, campaign) -> dict:
     """Seconds per phase (summed over invocations) and trajectory throughput in generated tokens/s."""
-    figures = {phase: {"seconds": sum(i["seconds"] for i in runs), "invocations": len(runs)} for phase, runs in state.items()}
+    figures = {
+        phase: {"seconds": sum(i["seconds"] for i in runs), "invocations": len(runs)} for phase, runs in state.items()
+    }
     from bench.campaign import latest_trajectories
 
     for plan in campaign.recipe.stages():
@@ -82,8 +92,10 @@ def phase_figures(state: dict, campaign) -> dict:
             folder = folder.parent.parent if folder.is_file() else folder  # a selection file: its store
         except ConfigError:  # not generated (yet)
             continue
-        generated = sum(sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())
-                        for p in sorted(folder.glob("shard-*.parquet")))  # fmt: skip
+        generated = sum(
+            sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())
+            for p in sorted(folder.glob("shard-*.parquet"))
+        )
         entry = figures.setdefault(key, {"seconds": None})
         entry["generated_tokens"] = generated
         if entry.get("seconds"):
@@ -92,17 +104,33 @@ def phase_figures(state: dict, campaign) -> dict:
 
 
 def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluation: dict, env: dict) -> str:
-    lines = [f"# Campaign `{Path(campaign.source).stem}`", "",
-             f"Reproduce: `{campaign.command}`.", "",
-             f"Machine: {env.get('gpu') or env['processor']} ({env['cores']} cores), torch {env['torch']}, "
-             f"transformers {env['transformers']}, Python {env['python']}.", ""]  # fmt: skip
+    lines = [
+        f"# Campaign `{Path(campaign.source).stem}`",
+        "",
+        f"Reproduce: `{campaign.command}`.",
+        "",
+        (
+            f"Machine: {env.get('gpu') or env['processor']} ({env['cores']} cores), torch {env['torch']}, "
+            f"transformers {env['transformers']}, Python {env['python']}."
+        ),
+        "",
+    ]
     stages = campaign.recipe.stages()
-    lines += ["Stages: " + "; ".join(f"{p.name}: n={p.trajectory.block_size}, window {p.packing.window}, from "
-                                     f"{Path(p.model.name_or_path).name}" for p in stages), ""]  # fmt: skip
+    lines += [
+        "Stages: "
+        + "; ".join(
+            f"{p.name}: n={p.trajectory.block_size}, window {p.packing.window}, from {Path(p.model.name_or_path).name}"
+            for p in stages
+        ),
+        "",
+    ]
     lines += ["## Throughput", "", "| phase | seconds | figure |", "|---|---:|---|"]
     for phase, f in phases.items():
-        figure = f"{f['tokens_per_second']:.0f} generated tokens/s ({f['generated_tokens']} tokens)" \
-            if f.get("tokens_per_second") else ""  # fmt: skip
+        figure = (
+            f"{f['tokens_per_second']:.0f} generated tokens/s ({f['generated_tokens']} tokens)"
+            if f.get("tokens_per_second")
+            else ""
+        )
         if phase.startswith("train/") and phase.split("/", 1)[1] in training:
             t = training[phase.split("/", 1)[1]]
             if t.get("tokens_per_second"):
@@ -111,28 +139,44 @@ def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluati
         seconds = f"{f['seconds']:.0f}" if f.get("seconds") is not None else "-"
         lines.append(f"| {phase} | {seconds} | {figure} |")
     if curve:
-        lines += ["", "## Learning curve (pooled over benchmarks)", "",
-                  "Each point is decoded with its stage's block size; speedup is against the same model's HF greedy, "
-                  "measured side by side.", "",
-                  "| point | training tokens | method | TPF | speedup | accuracy | = greedy | first diff (min) | overhead |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "## Learning curve (pooled over benchmarks)",
+            "",
+            (
+                "Each point is decoded with its stage's block size; speedup is against the same model's HF "
+                "greedy, measured side by side."
+            ),
+            "",
+            "| point | training tokens | method | TPF | speedup | accuracy | = greedy | first diff (min) | overhead |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
         pooled = [r for r in curve if r["benchmark"] == ALL] or curve
         for r in pooled:
             if r["method"] == "hf_greedy":
                 continue
-            lines.append(f"| {r['point']} | {r['train_tokens']:,} | {r['method']} | {r['tpf']:.3f} | {_x(r['speedup'])} "
-                         f"| {r['accuracy']:.1%} | {r['exact']:.0%} | {_or_dash(r.get('first_divergence_min'))} "
-                         f"| {_pct(r.get('overhead'))} |")  # fmt: skip
-        lines += ["", "Per benchmark (TPF jacobi / multiblock):", "", "| point | " + " | ".join(_benchmarks(curve)) + " |",
-                  "|---|" + "---:|" * len(_benchmarks(curve))]  # fmt: skip
+            lines.append(
+                f"| {r['point']} | {r['train_tokens']:,} | {r['method']} | {r['tpf']:.3f} | {_x(r['speedup'])} "
+                f"| {r['accuracy']:.1%} | {r['exact']:.0%} | {_or_dash(r.get('first_divergence_min'))} "
+                f"| {_pct(r.get('overhead'))} |"
+            )
+        lines += [
+            "",
+            "Per benchmark (TPF jacobi / multiblock):",
+            "",
+            "| point | " + " | ".join(_benchmarks(curve)) + " |",
+            "|---|" + "---:|" * len(_benchmarks(curve)),
+        ]
         for point in dict.fromkeys(r["point"] for r in curve):
             cells = []
             for b in _benchmarks(curve):
                 tpf = {r["method"]: r["tpf"] for r in curve if r["point"] == point and r["benchmark"] == b}
                 cells.append(" / ".join(f"{tpf[m]:.3f}" for m in PARALLEL if m in tpf))
             lines.append(f"| {point} | " + " | ".join(cells) + " |")
-    for title, key in (("Final evaluation: base vs trained, side by side", "final"),
-                       ("Float32 exactness check", "fp32_check")):  # fmt: skip
+    for title, key in (
+        ("Final evaluation: base vs trained, side by side", "final"),
+        ("Float32 exactness check", "fp32_check"),
+    ):
         if evaluation.get(key):
             report = Path(evaluation[key]["report"]) / "results.md"
             lines += ["", f"## {title}", "", report.read_text().strip() if report.is_file() else "(missing)"]
@@ -200,9 +244,16 @@ def write_report(folder: Path, campaign, evaluation: dict, training: dict, state
     folder.mkdir(parents=True, exist_ok=True)
     curve = curve_rows(campaign, evaluation, training) if evaluation.get("curve") else []
     phases = phase_figures(state, campaign)
-    results = {"profile": campaign.source, "command": campaign.command, "environment": env, "phases": phases,
-               "training": {k: {n: v for n, v in t.items() if n not in ("tokens_by_step",)} for k, t in training.items()},
-               "curve": curve, "final": evaluation.get("final"), "fp32_check": evaluation.get("fp32_check")}  # fmt: skip
+    results = {
+        "profile": campaign.source,
+        "command": campaign.command,
+        "environment": env,
+        "phases": phases,
+        "training": {k: {n: v for n, v in t.items() if n not in ("tokens_by_step",)} for k, t in training.items()},
+        "curve": curve,
+        "final": evaluation.get("final"),
+        "fp32_check": evaluation.get("fp32_check"),
+    }
     (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (folder / "results.md").write_text(markdown(campaign, curve, phases, training, evaluation, env))
     if curve:

@@ -61,16 +61,24 @@ def build_methods(model, eos: list[int], pad: int, s: BenchSettings) -> dict[str
     for n in s.block_sizes:
         methods[f"jacobi_n{n}"] = project_method(model, eos, pad, method="jacobi", block_size=n)
     methods[f"multiblock_n{s.multiblock_size}"] = project_method(
-        model, eos, pad, method="multiblock", block_size=s.multiblock_size, num_blocks=s.num_blocks,
-        pool_size=s.pool_size, spawn_ratio=s.spawn_ratio, ngram_size=s.ngram_size,
+        model,
+        eos,
+        pad,
+        method="multiblock",
+        block_size=s.multiblock_size,
+        num_blocks=s.num_blocks,
+        pool_size=s.pool_size,
+        spawn_ratio=s.spawn_ratio,
+        ngram_size=s.ngram_size,
     )
     if s.batch_size == 1:  # HF assisted generation (prompt lookup) supports batch size 1 only
         methods["hf_prompt_lookup"] = hf_method(model, eos, pad, prompt_lookup_num_tokens=s.prompt_lookup_tokens)
     return methods
 
 
-def run_bench(model, prompts: list[Prompt], settings: BenchSettings, eos: list[int], pad: int,
-              log: Callable[[str], None] = print) -> dict:
+def run_bench(
+    model, prompts: list[Prompt], settings: BenchSettings, eos: list[int], pad: int, log: Callable[[str], None] = print
+) -> dict:
     """Decode `prompts` with every method, interleaved; per-batch records and per-method aggregates."""
     methods = build_methods(model, eos, pad, settings)
     names = list(methods)
@@ -79,8 +87,11 @@ def run_bench(model, prompts: list[Prompt], settings: BenchSettings, eos: list[i
     by_source: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_source.setdefault(p.source, []).append(p)
-    batches = [group[i : i + settings.batch_size] for group in by_source.values()
-               for i in range(0, len(group), settings.batch_size)]
+    batches = [
+        group[i : i + settings.batch_size]
+        for group in by_source.values()
+        for i in range(0, len(group), settings.batch_size)
+    ]
 
     for name in names:  # warm-up: one-off costs (allocator, kernels, lazy init) stay out of the timings
         methods[name]([batches[0][0].ids], settings.warmup_tokens)
@@ -98,18 +109,23 @@ def run_bench(model, prompts: list[Prompt], settings: BenchSettings, eos: list[i
             sync()
             seconds[name] = time.perf_counter() - start
         reference = runs[BASELINE].sequences
-        records.append({
-            "source": batch[0].source,
-            "prompts": [index[id(p)] for p in batch],
-            "prompt_tokens": [len(x) for x in ids],
-            "methods": {name: {
-                "seconds": seconds[name],
-                **{k: v for k, v in vars(run).items() if k != "sequences"},
-                "new_tokens": [len(x) for x in run.sequences],
-                "exact": [x == r for x, r in zip(run.sequences, reference)],
-                "first_divergence": [first_divergence(x, r) for x, r in zip(run.sequences, reference)],
-            } for name, run in runs.items()},
-        })
+        records.append(
+            {
+                "source": batch[0].source,
+                "prompts": [index[id(p)] for p in batch],
+                "prompt_tokens": [len(x) for x in ids],
+                "methods": {
+                    name: {
+                        "seconds": seconds[name],
+                        **{k: v for k, v in vars(run).items() if k != "sequences"},
+                        "new_tokens": [len(x) for x in run.sequences],
+                        "exact": [x == r for x, r in zip(run.sequences, reference)],
+                        "first_divergence": [first_divergence(x, r) for x, r in zip(run.sequences, reference)],
+                    }
+                    for name, run in runs.items()
+                },
+            }
+        )
         log(f"[{i + 1}/{len(batches)}] {batch[0].source:<10} " + "  ".join(f"{n} {seconds[n]:.1f}s" for n in names))
 
     sources = list(by_source)
@@ -126,14 +142,18 @@ def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
     out = {}
     for name in names:
         rows = [r["methods"][name] for r in records]
-        total = {key: sum(r[key] for r in rows) for key in
-                 ("seconds", "prefill_seconds", "decode_seconds", "forward_seconds", "decode_forwards")}
+        total = {
+            key: sum(r[key] for r in rows)
+            for key in ("seconds", "prefill_seconds", "decode_seconds", "forward_seconds", "decode_forwards")
+        }
         tokens = sum(sum(r["new_tokens"]) for r in rows)
         decode_s, forwards = total["decode_seconds"], total["decode_forwards"]
         divergence = [d for r in rows for d in r["first_divergence"]]
         exact = [e for r in rows for e in r["exact"]]
         out[name] = {
-            "prompts": len(exact), "new_tokens": tokens, **total,
+            "prompts": len(exact),
+            "new_tokens": tokens,
+            **total,
             "tpf": tokens / forwards if forwards else None,
             "tps": tokens / total["seconds"],
             "decode_tps": tokens / decode_s if decode_s > 0 else None,
@@ -151,8 +171,10 @@ def format_table(result: dict) -> str:
     def fmt(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = [f"{'method':<20}{'TPF':>6}{'TPS':>8}{'dec TPS':>9}{'speedup':>9}{'overhead':>10}{'exact':>7}"
-             f"{'1st diff mean/min':>19}"]
+    lines = [
+        f"{'method':<20}{'TPF':>6}{'TPS':>8}{'dec TPS':>9}{'speedup':>9}{'overhead':>10}{'exact':>7}"
+        + f"{'1st diff mean/min':>19}"
+    ]
     for name, a in result["aggregates"].items():
         lines.append(
             f"{name:<20}{fmt(a['tpf'], '.2f'):>6}{a['tps']:>8.1f}{fmt(a['decode_tps'], '.1f'):>9}"
@@ -178,9 +200,14 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
 def environment(model_config: ModelConfig) -> dict:
     cuda = model_config.device.startswith("cuda")
     return {
-        "model": asdict(model_config), "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if cuda else None, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": asdict(model_config),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
@@ -190,8 +217,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--attn", default="sdpa")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help=f"shared data dir (default: $JF_SHARED_DATA or <repo>/../shared/data = {default_data_dir()})")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"shared data dir (default: $JF_SHARED_DATA or <repo>/../shared/data = {default_data_dir()})",
+    )
     p.add_argument("--prompts", help="JSONL(.gz) of custom prompts instead of GSM8K + HumanEval")
     p.add_argument("--field", default="prompt", help="field of --prompts holding the text")
     p.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
@@ -208,18 +239,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = BenchSettings(
-        max_new_tokens=args.max_new_tokens, block_sizes=tuple(int(n) for n in args.block_sizes.split(",") if n),
-        multiblock_size=args.multiblock_size, batch_size=args.batch_size, warmup_tokens=args.warmup_tokens,
+        max_new_tokens=args.max_new_tokens,
+        block_sizes=tuple(int(n) for n in args.block_sizes.split(",") if n),
+        multiblock_size=args.multiblock_size,
+        batch_size=args.batch_size,
+        warmup_tokens=args.warmup_tokens,
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype, device=args.device,
-                               attn_implementation=args.attn)
+    model_config = ModelConfig(
+        name_or_path=args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn
+    )
     model, tokenizer = load_model(model_config)
     prompts = load_prompts(args, tokenizer)
     eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
-    print(f"{args.model} {args.dtype} on {args.device}: {len(prompts)} prompts, batch {settings.batch_size}, "
-          f"{settings.max_new_tokens} new tokens, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"{args.model} {args.dtype} on {args.device}: {len(prompts)} prompts, batch {settings.batch_size}, "
+        f"{settings.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     if settings.batch_size > 1:
         print("note: hf_prompt_lookup left out (HF assisted generation supports batch size 1 only)")
     result = run_bench(model, prompts, settings, eos, pad, log=lambda line: print(line, file=sys.stderr, flush=True))
@@ -228,8 +266,12 @@ def main(argv=None) -> int:
     tag = re.sub(r"[^\w.-]+", "-", Path(args.model.rstrip("/")).name)
     out = args.out or RESULTS / f"decode_{tag}_{args.device.replace(':', '')}_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"settings": asdict(settings), "environment": environment(model_config),
-              "prompts": [{"source": p.source, "tokens": len(p.ids), "text": p.text} for p in prompts], **result}
+    record = {
+        "settings": asdict(settings),
+        "environment": environment(model_config),
+        "prompts": [{"source": p.source, "tokens": len(p.ids), "text": p.text} for p in prompts],
+        **result,
+    }
     out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -35,8 +35,12 @@ def measure(name: str) -> list[dict]:
     def one(problem):
         start = time.perf_counter()
         verdict = score_completion(problem, problem.reference, GENEROUS)
-        return {"task_id": problem.task_id, "status": verdict.status, "cpu_seconds": verdict.cpu_seconds,
-                "wall_seconds": time.perf_counter() - start}  # fmt: skip
+        return {
+            "task_id": problem.task_id,
+            "status": verdict.status,
+            "cpu_seconds": verdict.cpu_seconds,
+            "wall_seconds": time.perf_counter() - start,
+        }
 
     with ThreadPoolExecutor(judge_workers()) as pool:
         return list(pool.map(one, problems))
@@ -50,22 +54,39 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     factor = slowdown()
-    print(f"host slowdown vs the reference machine: {factor:.2f} (jfcore.hostspeed); judges in parallel: {judge_workers()}")
-    results = {"host": {"machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
-                        "slowdown": factor}, "benchmarks": {}}  # fmt: skip
+    print(
+        f"host slowdown vs the reference machine: {factor:.2f} (jfcore.hostspeed); judges in parallel: {judge_workers()}"
+    )
+    results = {
+        "host": {
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "slowdown": factor,
+        },
+        "benchmarks": {},
+    }
     for name in args.benchmarks:
         rows = sorted(measure(name), key=lambda r: -r["cpu_seconds"])
         failed = [r for r in rows if r["status"] != "passed"]
         slowest = rows[0]["cpu_seconds"]
-        print(f"\n{name}: {len(rows)} references, {len(failed)} not passed; slowest {slowest:.2f} s CPU here "
-              f"= {slowest / factor:.2f} s on the reference machine; budget {CPU_BUDGET_S[name]:g} s "
-              f"({CPU_BUDGET_S[name] * factor / slowest:.1f}x the slowest here)")  # fmt: skip
+        print(
+            f"\n{name}: {len(rows)} references, {len(failed)} not passed; slowest {slowest:.2f} s CPU here "
+            f"= {slowest / factor:.2f} s on the reference machine; budget {CPU_BUDGET_S[name]:g} s "
+            f"({CPU_BUDGET_S[name] * factor / slowest:.1f}x the slowest here)"
+        )
         for r in rows[: args.top]:
-            print(f"  {r['task_id']:>16}  {r['cpu_seconds']:6.2f} s CPU  {r['wall_seconds']:6.2f} s wall  {r['status']}")
+            print(
+                f"  {r['task_id']:>16}  {r['cpu_seconds']:6.2f} s CPU  {r['wall_seconds']:6.2f} s wall  {r['status']}"
+            )
         for r in failed:
             print(f"  NOT PASSED: {r['task_id']} {r['status']}")
-        results["benchmarks"][name] = {"budget_cpu_s": CPU_BUDGET_S[name], "slowest_cpu_s": slowest,
-                                       "failed": [r["task_id"] for r in failed], "rows": rows}  # fmt: skip
+        results["benchmarks"][name] = {
+            "budget_cpu_s": CPU_BUDGET_S[name],
+            "slowest_cpu_s": slowest,
+            "failed": [r["task_id"] for r in failed],
+            "rows": rows,
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\nwrote {args.out}")

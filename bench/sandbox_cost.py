@@ -61,13 +61,24 @@ def main(argv: list[str] | None = None) -> None:
     mean_ms = {mode: 1000 * statistics.fmean(times) for mode, times in per_program.items()}
     print(f"{args.benchmark}: {len(problems)} references x {args.repeats} passes, one judge at a time")
     for mode in MODES:
-        print(f"  {mode:>10}: {ms[mode]:6.1f} ms per program (median), {mean_ms[mode]:6.1f} ms (mean); "
-              f"all {len(problems)} with {workers} judges at once: {wall[mode]:.1f} s wall")  # fmt: skip
-    print(f"  isolated / unisolated: {ms['isolated'] / ms['unisolated']:.2f}x per program (median), "
-          f"+{ms['isolated'] - ms['unisolated']:.1f} ms; {wall['isolated'] / wall['unisolated']:.2f}x wall for all")  # fmt: skip
-    result = {"benchmark": args.benchmark, "references": len(problems), "repeats": args.repeats, "judges": workers,
-              "median_ms": ms, "mean_ms": mean_ms, "wall_all_s": wall,
-              "host": {"machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()}}  # fmt: skip
+        print(
+            f"  {mode:>10}: {ms[mode]:6.1f} ms per program (median), {mean_ms[mode]:6.1f} ms (mean); "
+            f"all {len(problems)} with {workers} judges at once: {wall[mode]:.1f} s wall"
+        )
+    print(
+        f"  isolated / unisolated: {ms['isolated'] / ms['unisolated']:.2f}x per program (median), "
+        f"+{ms['isolated'] - ms['unisolated']:.1f} ms; {wall['isolated'] / wall['unisolated']:.2f}x wall for all"
+    )
+    result = {
+        "benchmark": args.benchmark,
+        "references": len(problems),
+        "repeats": args.repeats,
+        "judges": workers,
+        "median_ms": ms,
+        "mean_ms": mean_ms,
+        "wall_all_s": wall,
+        "host": {"machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -44,9 +44,13 @@ SETTINGS = {
 
 def make_data(root: Path, model: ModelConfig, limit: int) -> Path:
     trajectories = generate_trajectories(
-        model, PromptSource(limit=limit), TrajectoryConfig(block_size=16, max_new_tokens=32, batch_size=8),
-        RayConfig(num_workers=1, cpus_per_worker=os.cpu_count() or 1), root / "trajectories", prompts_per_shard=8,
-    )  # fmt: skip
+        model,
+        PromptSource(limit=limit),
+        TrajectoryConfig(block_size=16, max_new_tokens=32, batch_size=8),
+        RayConfig(num_workers=1, cpus_per_worker=os.cpu_count() or 1),
+        root / "trajectories",
+        prompts_per_shard=8,
+    )
     pad = load_tokenizer(model).pad_token_id
     pack_trajectories(trajectories, root / "packed", PackingConfig(pad_token_id=pad))
     return root / "packed"
@@ -54,18 +58,37 @@ def make_data(root: Path, model: ModelConfig, limit: int) -> Path:
 
 def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path) -> dict:
     processes, threads, deepspeed, checkpointing, precision = SETTINGS[name]
-    train = TrainConfig(data=str(data), output_dir=str(root / f"{name}-{time.time_ns()}"), model=model,
-                        max_steps=steps, learning_rate=1e-5, checkpoint_every=10**6,
-                        gradient_checkpointing=checkpointing, precision=precision)  # fmt: skip
+    train = TrainConfig(
+        data=str(data),
+        output_dir=str(root / f"{name}-{time.time_ns()}"),
+        model=model,
+        max_steps=steps,
+        learning_rate=1e-5,
+        checkpoint_every=10**6,
+        gradient_checkpointing=checkpointing,
+        precision=precision,
+    )
     began = time.perf_counter()
-    run_training(train, LaunchConfig(processes=processes, deepspeed_config=deepspeed, threads_per_process=threads),
-                 log=lambda line: None)  # fmt: skip
+    run_training(
+        train,
+        LaunchConfig(processes=processes, deepspeed_config=deepspeed, threads_per_process=threads),
+        log=lambda line: None,
+    )
     wall = time.perf_counter() - began
     records = [json.loads(line) for line in (Path(train.output_dir) / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_second"] for r in records[1:]]
-    return {"setting": name, "processes": processes, "threads": threads, "deepspeed": deepspeed,
-            "gradient_checkpointing": checkpointing, "precision": precision, "tokens_per_second": statistics.median(rates),
-            "step_rates": rates, "wall_s": wall, "first_loss": records[0]["loss"]}  # fmt: skip
+    return {
+        "setting": name,
+        "processes": processes,
+        "threads": threads,
+        "deepspeed": deepspeed,
+        "gradient_checkpointing": checkpointing,
+        "precision": precision,
+        "tokens_per_second": statistics.median(rates),
+        "step_rates": rates,
+        "wall_s": wall,
+        "first_loss": records[0]["loss"],
+    }
 
 
 def main(argv=None) -> None:
@@ -97,7 +120,9 @@ def main(argv=None) -> None:
     for name in names:
         rate = statistics.median(r["tokens_per_second"] for r in results[name])
         rows.append({"setting": name, "tokens_per_second": rate, "ratio": rate / base, "runs": results[name]})
-        print(f"{name:<18}{SETTINGS[name][0]:>6}{rate:>10.1f}{rate / base:>19.2f}x{results[name][0]['first_loss']:>12.4f}")
+        print(
+            f"{name:<18}{SETTINGS[name][0]:>6}{rate:>10.1f}{rate / base:>19.2f}x{results[name][0]['first_loss']:>12.4f}"
+        )
     tag = Path(args.model).name.replace(".", "_")
     out = args.out or RESULTS / f"train_{tag}_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -118,11 +118,18 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
         model = replace(config.model, name_or_path=str(Path(outcome["train_dir"]) / FINAL), gguf_file=None)
 
     final, logged = model.name_or_path, outcome.get("model") or {}
-    if registry and "train" in chosen and logged.get("version") and all(s.get("reused") for s in result["stages"].values()):
+    if (
+        registry
+        and "train" in chosen
+        and logged.get("version")
+        and all(s.get("reused") for s in result["stages"].values())
+    ):
         decision = gate_decision(tracking, str(logged["version"]))
         if decision:
-            log.info(f"nothing changed: every stage's output is reused and {tracking.registered_model} "
-                     f"v{logged['version']} was already judged ({decision}); no new version")  # fmt: skip
+            log.info(
+                f"nothing changed: every stage's output is reused and {tracking.registered_model} "
+                f"v{logged['version']} was already judged ({decision}); no new version"
+            )
             return result | {"nothing_changed": True}
     if "evaluate" in chosen:
         rival = None
@@ -135,30 +142,42 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
                 log.warning("stage 'register' skipped: the training stage registered no model version")
             else:
                 float32 = evaluation.models["trained"].model.dtype == "float32"
-                result["registry"] = register_task(to_dict(tracking), str(logged["version"]),
-                                                   result["evaluation"]["table"], asdict(config.gate),
-                                                   champion if rival else None, float32)  # fmt: skip
+                result["registry"] = register_task(
+                    to_dict(tracking),
+                    str(logged["version"]),
+                    result["evaluation"]["table"],
+                    asdict(config.gate),
+                    champion if rival else None,
+                    float32,
+                )
     return result
 
 
-def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool, tracking: TrackingConfig,
-               log) -> dict:  # fmt: skip
+def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool, tracking: TrackingConfig, log) -> dict:
     """Trajectories, packing and training of one (curriculum) stage; reuses every output that verifies."""
     if config.curriculum:
-        log.info(f"curriculum stage {plan.name}: block size {plan.trajectory.block_size}, window "
-                 f"{plan.packing.window}, from {plan.model.name_or_path}")  # fmt: skip
+        log.info(
+            f"curriculum stage {plan.name}: block size {plan.trajectory.block_size}, window "
+            f"{plan.packing.window}, from {plan.model.name_or_path}"
+        )
     anchor = resolve_model_task(asdict(plan.model))
     result: dict = {}
     if "trajectories" in chosen:  # cheap when nothing is new: the store answers without starting a worker
-        selection = generate_trajectories_task(asdict(plan.model), asdict(plan.prompts), asdict(plan.trajectory),
-                                               asdict(config.ray), str(plan.path("trajectories")),
-                                               config.prompts_per_shard)  # fmt: skip
+        selection = generate_trajectories_task(
+            asdict(plan.model),
+            asdict(plan.prompts),
+            asdict(plan.trajectory),
+            asdict(config.ray),
+            str(plan.path("trajectories")),
+            config.prompts_per_shard,
+        )
     else:
         selection = _newest(plan.path("trajectories").glob(f"*/{SETS}/*.json"), "trajectories", plan)
     result["trajectories"] = selection
     chosen_set = json.loads(Path(selection).read_text())
-    packed = plan.path("packed") / run_key(store=chosen_set["store"], shards=chosen_set["shards"],
-                                           packing=asdict(plan.packing))  # fmt: skip
+    packed = plan.path("packed") / run_key(
+        store=chosen_set["store"], shards=chosen_set["shards"], packing=asdict(plan.packing)
+    )
     problem = packed_problem(packed)
     if problem is None:
         log.info(f"packing: reused {packed} (complete; its files verify)")
@@ -175,7 +194,9 @@ def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool,
     if "train" not in chosen:
         folder = (plan.path("train") / LATEST).resolve()
         if not (folder / FINAL / "config.json").is_file():
-            raise ConfigError(f"stage 'train' skipped, but there is no trained model at {folder / FINAL}; include 'train'")
+            raise ConfigError(
+                f"stage 'train' skipped, but there is no trained model at {folder / FINAL}; include 'train'"
+            )
         return result | {"train_dir": str(folder), "model": logged_model(folder), "reused": True}
     folder = _train_folder(plan, train, config.launch, anchor, resume)
     _point_latest(folder)
@@ -197,11 +218,16 @@ def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool,
 def _train_folder(plan: StagePlan, train: dict, launch: LaunchConfig, model_fingerprint: str, resume: bool) -> Path:
     """`train/<key>` for these settings: the newest such run when resuming, a new `<key>.<n>` otherwise."""
     identity = {k: v for k, v in train.items() if k not in ("output_dir", "resume")}
-    key = run_key(train=identity, model=model_fingerprint, processes=launch.processes,
-                  deepspeed=load_deepspeed_config(launch.deepspeed_config))  # fmt: skip
+    key = run_key(
+        train=identity,
+        model=model_fingerprint,
+        processes=launch.processes,
+        deepspeed=load_deepspeed_config(launch.deepspeed_config),
+    )
     root = plan.path("train")
-    runs = sorted((int(m.group(1) or 1), p) for p in root.glob(f"{key}*")
-                  if (m := re.fullmatch(rf"{key}(?:\.(\d+))?", p.name)))  # fmt: skip
+    runs = sorted(
+        (int(m.group(1) or 1), p) for p in root.glob(f"{key}*") if (m := re.fullmatch(rf"{key}(?:\.(\d+))?", p.name))
+    )
     if runs and (resume or not any(runs[-1][1].iterdir())):
         return runs[-1][1]
     n = runs[-1][0] + 1 if runs else 1
@@ -242,22 +268,42 @@ def _newest(paths, stage: str, plan: StagePlan) -> str:
     return str(max(found, key=lambda p: p.stat().st_mtime))
 
 
-def _record_data_stages(config: Recipe, plan: StagePlan, chosen: list[str], tracking: TrackingConfig,
-                        selection: str, packed: Path) -> None:  # fmt: skip
+def _record_data_stages(
+    config: Recipe, plan: StagePlan, chosen: list[str], tracking: TrackingConfig, selection: str, packed: Path
+) -> None:
     """The data stages' settings, figures and outputs as runs nested under the flow's run."""
     suffix = f" ({plan.name})" if config.curriculum else ""
     if "trajectories" in chosen:
         chosen_set = json.loads(Path(selection).read_text())
-        record_stage(tracking, "trajectories" + suffix, {"model": asdict(plan.model), "prompts": asdict(plan.prompts),
-                     "trajectory": asdict(plan.trajectory), "ray": asdict(config.ray), "store": chosen_set["store"]},
-                     {"prompts": chosen_set["num_prompts"], "skipped_too_long": chosen_set["skipped_too_long"],
-                      "reused_prompts": chosen_set["reused"], "decoded_prompts": chosen_set["decoded"],
-                      "shards": len(chosen_set["shards"])}, [Path(selection)])  # fmt: skip
+        record_stage(
+            tracking,
+            "trajectories" + suffix,
+            {
+                "model": asdict(plan.model),
+                "prompts": asdict(plan.prompts),
+                "trajectory": asdict(plan.trajectory),
+                "ray": asdict(config.ray),
+                "store": chosen_set["store"],
+            },
+            {
+                "prompts": chosen_set["num_prompts"],
+                "skipped_too_long": chosen_set["skipped_too_long"],
+                "reused_prompts": chosen_set["reused"],
+                "decoded_prompts": chosen_set["decoded"],
+                "shards": len(chosen_set["shards"]),
+            },
+            [Path(selection)],
+        )
     if "packing" in chosen:
         stats = json.loads((packed / "stats.json").read_text())
         figures = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        record_stage(tracking, "packing" + suffix, {"packing": asdict(plan.packing), "trajectories": selection,
-                     "folder": str(packed)}, figures, [packed / "stats.json"])  # fmt: skip
+        record_stage(
+            tracking,
+            "packing" + suffix,
+            {"packing": asdict(plan.packing), "trajectories": selection, "folder": str(packed)},
+            figures,
+            [packed / "stats.json"],
+        )
 
 
 def _parent_run(config: Recipe, chosen: list[str]) -> str | None:

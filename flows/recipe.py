@@ -84,7 +84,10 @@ class CurriculumStage:
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, f"name: {self.name!r} must be a plain folder name")
-        check(self.prompts_limit is None or self.prompts_limit >= 1, f"prompts_limit: must be >= 1, got {self.prompts_limit}")
+        check(
+            self.prompts_limit is None or self.prompts_limit >= 1,
+            f"prompts_limit: must be >= 1, got {self.prompts_limit}",
+        )
 
 
 @dataclass(frozen=True)
@@ -125,14 +128,19 @@ class Recipe:
     def __post_init__(self) -> None:
         check(bool(self.work_dir), "work_dir: must not be empty")
         linked = sorted(set(self.train) & set(FLOW_LINKED))
-        check(not linked, f"train.{linked[0] if linked else ''}: set by the flow from the other stages; "
-                           "remove it (the model is the recipe's `model`)")  # fmt: skip
+        check(
+            not linked,
+            f"train.{linked[0] if linked else ''}: set by the flow from the other stages; "
+            "remove it (the model is the recipe's `model`)",
+        )
         check(self.prompts_per_shard >= 1, f"prompts_per_shard: must be >= 1, got {self.prompts_per_shard}")
         names = [s.name for s in self.curriculum]
         check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
         for stage in self.curriculum:
             linked = sorted(set(stage.train) & set(FLOW_LINKED))
-            check(not linked, f"curriculum[{stage.name}].train.{linked[0] if linked else ''}: set by the flow; remove it")
+            check(
+                not linked, f"curriculum[{stage.name}].train.{linked[0] if linked else ''}: set by the flow; remove it"
+            )
         for plan in self.stages():  # unknown or invalid train keys (and stage values) fail here, at load
             self.train_config(plan)
         self.eval_config("trained")
@@ -147,12 +155,16 @@ class Recipe:
             return [StagePlan("train", root, self.model, self.prompts, self.trajectory, self.packing, self.train)]
         plans, model = [], self.model
         for stage in self.curriculum:
-            trajectory = replace(self.trajectory, block_size=stage.block_size,
-                                 max_new_tokens=stage.max_new_tokens or self.trajectory.max_new_tokens)  # fmt: skip
+            trajectory = replace(
+                self.trajectory,
+                block_size=stage.block_size,
+                max_new_tokens=stage.max_new_tokens or self.trajectory.max_new_tokens,
+            )
             packing = replace(self.packing, window=stage.window or self.packing.window)
             prompts = replace(self.prompts, limit=stage.prompts_limit or self.prompts.limit)
-            plans.append(StagePlan(stage.name, root / stage.name, model, prompts, trajectory, packing,
-                                   self.train | stage.train))  # fmt: skip
+            plans.append(
+                StagePlan(stage.name, root / stage.name, model, prompts, trajectory, packing, self.train | stage.train)
+            )
             # the next stage starts from this one's trained model
             model = replace(self.model, name_or_path=str(root / stage.name / "train" / FINAL), gguf_file=None)
         return plans
@@ -163,19 +175,31 @@ class Recipe:
 
     def train_config(self, plan: StagePlan, data: str = "-") -> TrainConfig:
         model = replace(plan.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
-        return from_dict(TrainConfig, {**plan.train, "data": data, "output_dir": str(plan.path("train")),
-                                       "model": model}, f"train ({plan.name})" if self.curriculum else "train")  # fmt: skip
+        return from_dict(
+            TrainConfig,
+            {**plan.train, "data": data, "output_dir": str(plan.path("train")), "model": model},
+            f"train ({plan.name})" if self.curriculum else "train",
+        )
 
-    def eval_config(self, trained: str, model_uri: str | None = None,
-                    champion: tuple[str, str] | None = None) -> EvalConfig:  # fmt: skip
+    def eval_config(
+        self, trained: str, model_uri: str | None = None, champion: tuple[str, str] | None = None
+    ) -> EvalConfig:
         """Base and trained model, and the champion (checkpoint folder, model URI) when given, side by side."""
         e = self.evaluation
         trained_model = replace(self.model, name_or_path=trained, gguf_file=None)
         models = {"base": EvalModel(self.model), "trained": EvalModel(trained_model, model_uri)}
         if champion:
             models["champion"] = EvalModel(replace(self.model, name_or_path=champion[0], gguf_file=None), champion[1])
-        return EvalConfig(str(self.path("eval")), models, e.benchmarks, "base", e.decoding, e.problems_per_shard,
-                          e.data_dir, e.unsafe_no_isolation)  # fmt: skip
+        return EvalConfig(
+            str(self.path("eval")),
+            models,
+            e.benchmarks,
+            "base",
+            e.decoding,
+            e.problems_per_shard,
+            e.data_dir,
+            e.unsafe_no_isolation,
+        )
 
 
 def load_recipe(source: str | Path | dict, overrides: dict | None = None) -> Recipe:

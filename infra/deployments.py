@@ -31,19 +31,30 @@ def register(recipe: str = DEFAULT_RECIPE, pool: str = POOL) -> dict[str, str]:
     source = flow.from_source(source=str(REPO), entrypoint=ENTRYPOINT)  # runs in the repository folder
     common = {"work_pool_name": pool, "build": False, "push": False, "print_next_steps": False, "ignore_warnings": True}
     ids = {
-        "full": source.deploy(name="full", parameters={"recipe": recipe}, tags=["pipeline"],
-                              description="The whole pipeline: trajectories, packing, training, evaluation, registry.",
-                              **common),
+        "full": source.deploy(
+            name="full",
+            parameters={"recipe": recipe},
+            tags=["pipeline"],
+            description="The whole pipeline: trajectories, packing, training, evaluation, registry.",
+            **common,
+        ),
         "retrain": source.deploy(
-            name="retrain", parameters={"recipe": recipe}, schedules=[Cron(config.schedule.cron, timezone=config.schedule.timezone)], tags=["pipeline", "scheduled"],
+            name="retrain",
+            parameters={"recipe": recipe},
+            schedules=[Cron(config.schedule.cron, timezone=config.schedule.timezone)],
+            tags=["pipeline", "scheduled"],
             concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
             description=f"Scheduled retraining ({config.schedule.cron} {config.schedule.timezone}); never two at once.",
             **common,
         ),
-        "evaluate": source.deploy(name="evaluate", parameters={"recipe": recipe, "stages": ["evaluate"]},
-                                  tags=["evaluation"], description="Evaluate the newest trained model against the base.",
-                                  **common),
-    }  # fmt: skip
+        "evaluate": source.deploy(
+            name="evaluate",
+            parameters={"recipe": recipe, "stages": ["evaluate"]},
+            tags=["evaluation"],
+            description="Evaluate the newest trained model against the base.",
+            **common,
+        ),
+    }
     return {name: str(i) for name, i in ids.items()}
 
 

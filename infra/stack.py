@@ -154,15 +154,35 @@ def services() -> list[Service]:
     state, (prefect_port, mlflow_port) = state_dir(), ports()
     mlflow = state / "mlflow"
     return [
-        Service("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                   str(prefect_port)], f"http://127.0.0.1:{prefect_port}/api/health"),
-        Service("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                                  "--workers", "1", "--backend-store-uri", f"sqlite:///{mlflow / 'mlflow.db'}",
-                                  "--artifacts-destination", str(mlflow / "artifacts")],
-                f"http://127.0.0.1:{mlflow_port}/health"),
-        Service("prefect-worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
-                                   "--name", "local-worker"], None),
-    ]  # fmt: skip
+        Service(
+            "prefect-server",
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            f"http://127.0.0.1:{prefect_port}/api/health",
+        ),
+        Service(
+            "mlflow-server",
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{mlflow / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(mlflow / "artifacts"),
+            ],
+            f"http://127.0.0.1:{mlflow_port}/health",
+        ),
+        Service(
+            "prefect-worker",
+            [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", "local-worker"],
+            None,
+        ),
+    ]
 
 
 def _healthy(url: str) -> bool:
@@ -185,8 +205,9 @@ def _start(service: Service, env: dict[str, str], timeout_s: float = 180) -> Non
         folder.mkdir(parents=True, exist_ok=True)
     with open(service.log_file(), "a") as log:
         # Its own session: `down` stops the service and everything it started.
-        proc = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            service.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
     service.record(proc.pid)
     from jfcore.hostspeed import scaled  # here: it imports torch, which other commands need not wait for
 
@@ -269,8 +290,11 @@ def results() -> None:
 
     prefect_port, mlflow_port = ports()
     with SyncPrefectClient(api=environment()["PREFECT_API_URL"]) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[RESULTS_ARTIFACT])),
-                                      sort=ArtifactSort.CREATED_DESC, limit=1)  # fmt: skip
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[RESULTS_ARTIFACT])),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )
     print(found[0].data if found else "no results yet: run `prefect deployment run jacobi-forcing/full`")
     print(f"\nPrefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
 

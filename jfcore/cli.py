@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     totals = {"tokens": 0, "forwards": 0, "seconds": 0.0, "hf_tokens": 0, "hf_seconds": 0.0, "identical": 0}
     for i, ((label, text), ids) in enumerate(zip(prompts, encoded), 1):
-        out, seconds = _timed(lambda: decode(model, [ids], config, eos_token_id=eos, pad_token_id=pad), sync)
+        out, seconds = _timed(lambda ids=ids: decode(model, [ids], config, eos_token_id=eos, pad_token_id=pad), sync)
         tokens, stats = out.sequences[0], out.stats
         print(f"[{i}/{len(prompts)}] {label}: {_one_line(text)}")
         print("-" * 100)
@@ -124,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         totals["forwards"] += stats.decode_forwards
         totals["seconds"] += seconds
         if args.compare:
-            reference, hf_seconds = _timed(lambda: hf_generate(model, [ids], args.max_new_tokens, eos, pad)[0], sync)
+            reference, hf_seconds = _timed(
+                lambda ids=ids: hf_generate(model, [ids], args.max_new_tokens, eos, pad)[0], sync
+            )
             same = reference == tokens
             totals["identical"] += same
             totals["hf_tokens"] += len(reference)
@@ -144,8 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary += f"; vs HF greedy: {t['identical']}/{len(prompts)} identical, speedup {tps / hf_tps:.2f}x"
     print(summary)
     if args.method != "ar" and tpf < 1.5:
-        print("(TPF near 1: the model accepts about one draft token per forward, as an untrained model does; "
-              "Jacobi Forcing training is what raises it)")
+        print(
+            "(TPF near 1: the model accepts about one draft token per forward, as an untrained model does; "
+            "Jacobi Forcing training is what raises it)"
+        )
     return 0
 
 

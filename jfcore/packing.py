@@ -52,9 +52,16 @@ PACKED_SCHEMA = pa.schema(
 
 # The trajectory columns packing reads (jfcore.trajectories.TRAJECTORY_SCHEMA).
 REQUIRED_COLUMNS = (
-    "prompt_id", "block_index", "block_size", "prompt_length", "context",
-    "states", "fixed_point", "last_block", "tokenizer_fingerprint",
-)  # fmt: skip
+    "prompt_id",
+    "block_index",
+    "block_size",
+    "prompt_length",
+    "context",
+    "states",
+    "fixed_point",
+    "last_block",
+    "tokenizer_fingerprint",
+)
 HISTOGRAM_BINS = 10
 # Targets are floats and noise levels exact ratios: distances within this are ties.
 TIE_TOLERANCE = 1e-9
@@ -154,9 +161,17 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig) -> dict
     T = len(rows) if config.max_length is None else min(len(rows), (config.max_length - P) // (2 * n))
     if T <= 0:
         return None
-    seq = {"prompt_id": prompt_id, "input_ids": rows[0]["context"][:P], "position_ids": list(range(P)),
-           "prompt_length": P, "block_size": n, "num_blocks": T,
-           "first_mismatch": [], "noise_levels": [], "valid_lengths": []}  # fmt: skip
+    seq = {
+        "prompt_id": prompt_id,
+        "input_ids": rows[0]["context"][:P],
+        "position_ids": list(range(P)),
+        "prompt_length": P,
+        "block_size": n,
+        "num_blocks": T,
+        "first_mismatch": [],
+        "noise_levels": [],
+        "valid_lengths": [],
+    }
     for j, row in enumerate(rows[:T]):
         fixed, m = row["fixed_point"], len(row["fixed_point"])
         mismatches = [first_mismatch(s, fixed) for s in row["states"]]
@@ -193,16 +208,22 @@ def _prompt_problem(rows: list[dict]) -> str | None:
     return None
 
 
-def pack_shards(paths: Sequence[str | Path], out_dir: str | Path, config: PackingConfig,
-                select: Mapping[str, Collection[str]] | None = None) -> PackingStats:  # fmt: skip
+def pack_shards(
+    paths: Sequence[str | Path],
+    out_dir: str | Path,
+    config: PackingConfig,
+    select: Mapping[str, Collection[str]] | None = None,
+) -> PackingStats:
     """Pack trajectory shards (files, or folders of *.parquet) into packed shards + stats.json in `out_dir`.
 
     `select`: file path -> the prompt ids to take from it (a store's shards may hold other prompts too)."""
     files = _expand(paths)
     tables = [_read_shard(f) for f in files]
     if select is not None:
-        tables = [t.filter(pc.is_in(t["prompt_id"], value_set=pa.array(sorted(select[str(f)]), pa.string())))
-                  for f, t in zip(files, tables)]  # fmt: skip
+        tables = [
+            t.filter(pc.is_in(t["prompt_id"], value_set=pa.array(sorted(select[str(f)]), pa.string())))
+            for f, t in zip(files, tables)
+        ]
     stats = PackingStats(tokenizer_fingerprint=_check_shards(files, tables, config))
     # Everything is held in memory (fine for tens of thousands of prompts). A prompt's blocks may
     # sit in any shard, so grouping needs all rows; at larger scale sort by prompt_id and stream.

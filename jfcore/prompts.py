@@ -73,7 +73,9 @@ class PromptSet:
     def keys(self) -> list[str]:
         """One digest per prompt over its id and token ids: what trajectory stores know a decoded prompt by,
         so an edited prompt is decoded again even when its id stays."""
-        return [hashlib.sha256(json.dumps([i, ids]).encode()).hexdigest()[:16] for i, ids in zip(self.ids, self.token_ids)]
+        return [
+            hashlib.sha256(json.dumps([i, ids]).encode()).hexdigest()[:16] for i, ids in zip(self.ids, self.token_ids)
+        ]
 
 
 def builtin_prompts_path() -> Path:
@@ -201,7 +203,9 @@ def _load(source: PromptSource):
         parts = [datasets.load_dataset(_kind(f), data_files=[str(f)], split="train") for f in files]
     except Exception as err:  # malformed JSON, a truncated Parquet file
         raise PromptSourceError(f"could not read prompts from {path}: {_reason(err, files)}") from err
-    return _concatenate(parts, files, source), BUILTIN if source.path == BUILTIN else re.sub(r"(\.[a-z]+)+$", "", path.name)
+    return _concatenate(parts, files, source), BUILTIN if source.path == BUILTIN else re.sub(
+        r"(\.[a-z]+)+$", "", path.name
+    )
 
 
 def _concatenate(parts: list, files: list[Path], source: PromptSource):
@@ -215,7 +219,8 @@ def _concatenate(parts: list, files: list[Path], source: PromptSource):
         for f, part in zip(files, parts):
             for column in wanted:
                 if column not in part.column_names:
-                    raise PromptSourceError(f"prompt file {f} has no column '{column}'; available: "
-                                            f"{', '.join(part.column_names)}")  # fmt: skip
+                    raise PromptSourceError(
+                        f"prompt file {f} has no column '{column}'; available: {', '.join(part.column_names)}"
+                    )
         parts = [p.select_columns(wanted) for p in parts]
     return datasets.concatenate_datasets(parts)

@@ -68,7 +68,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_shard(table: pa.Table, folder: Path, spec: ShardSpec, prompts: int, keys: tuple[str, ...] = ()) -> ShardRecord:
+def write_shard(
+    table: pa.Table, folder: Path, spec: ShardSpec, prompts: int, keys: tuple[str, ...] = ()
+) -> ShardRecord:
     """Write `table` as the shard `spec` atomically; return its record."""
     path = folder / spec.name
     atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
@@ -97,8 +99,11 @@ def completed_shards(folder: Path, specs: list[ShardSpec]) -> dict[str, ShardRec
 def verified_shards(folder: Path) -> dict[str, ShardRecord]:
     """Every shard the manifest lists whose file still matches its checksum."""
     listed = read_manifest(folder)["shards"]
-    return {name: ShardRecord(**{**entry, "keys": tuple(entry.get("keys", ()))}) for name, entry in listed.items()
-            if (folder / name).is_file() and file_sha256(folder / name) == entry["sha256"]}  # fmt: skip
+    return {
+        name: ShardRecord(**{**entry, "keys": tuple(entry.get("keys", ()))})
+        for name, entry in listed.items()
+        if (folder / name).is_file() and file_sha256(folder / name) == entry["sha256"]
+    }
 
 
 def drop_unverified(folder: Path) -> dict[str, ShardRecord]:

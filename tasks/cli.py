@@ -9,8 +9,13 @@ from collections.abc import Callable, Mapping
 from jfcore.config import load_recipe
 
 
-def stage_main(argv: list[str] | None, description: str, sections: Mapping[str, type],
-               run: Callable[[dict], object], errors: tuple[type[BaseException], ...]) -> object:  # fmt: skip
+def stage_main(
+    argv: list[str] | None,
+    description: str,
+    sections: Mapping[str, type],
+    run: Callable[[dict], object],
+    errors: tuple[type[BaseException], ...],
+) -> object:
     """Parse `--config RECIPE` (the first section is required), run the stage, and turn `errors` into
     `error: ...` and exit status 1 instead of a traceback."""
     parser = argparse.ArgumentParser(description=description)

@@ -58,16 +58,22 @@ class EvalWorker:
         return write_shard(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), Path(folder), spec, len(problems))
 
 
-def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, tracking: TrackingConfig | None = None,
-                   log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def run_evaluation(
+    config: EvalConfig,
+    ray_config: RayConfig | None = None,
+    tracking: TrackingConfig | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Evaluate (or finish evaluating) every model on every benchmark; returns the table and where it is."""
     ray_config, tracking = ray_config or RayConfig(), tracking or TrackingConfig()
     # Fail in seconds, before Ray starts: unknown benchmark files, missing models or tokenizers.
     problems = [p for b in config.benchmarks for p in load_benchmark(b, config.data_dir)]
     tokenizers = {label: tokenizer_fingerprint(load_tokenizer(m.model)) for label, m in config.models.items()}
     counts = {b.name: sum(p.benchmark == b.name for p in problems) for b in config.benchmarks}
-    log(f"{len(problems)} problems ({', '.join(f'{k} {v}' for k, v in counts.items())}) x models "
-        f"{', '.join(config.models)} x methods {', '.join(config.decoding.methods)}")  # fmt: skip
+    log(
+        f"{len(problems)} problems ({', '.join(f'{k} {v}' for k, v in counts.items())}) x models "
+        f"{', '.join(config.models)} x methods {', '.join(config.decoding.methods)}"
+    )
     isolation = code_isolation(config, problems, log)
 
     # Workers need not share the driver's working folder.
@@ -77,8 +83,10 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
         prints = get(workers[0].fingerprints.remote())
         for label, fp in prints.items():
             if fp["tokenizer"] != tokenizers[label]:
-                raise ModelLoadError(f"model {label!r}: the workers loaded another tokenizer than the driver; "
-                                     "give an absolute name_or_path that every worker can read")  # fmt: skip
+                raise ModelLoadError(
+                    f"model {label!r}: the workers loaded another tokenizer than the driver; "
+                    "give an absolute name_or_path that every worker can read"
+                )
         settings = {
             "models": prints,
             "problems": _digest([(p.benchmark, p.id, p.prompt) for p in problems]),
@@ -86,7 +94,7 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
             "problems_per_shard": config.problems_per_shard,
             "sample_columns": SAMPLE_SCHEMA.names,  # shards written with other columns are not reused
             "code_isolation": isolation,  # verdicts given without isolation are never mixed with isolated ones
-        }  # fmt: skip
+        }
         folder = Path(config.output_dir).resolve() / run_key(**settings)
         specs = plan_shards(len(problems), config.problems_per_shard)
 
@@ -97,15 +105,23 @@ def run_evaluation(config: EvalConfig, ray_config: RayConfig | None = None, trac
 
     samples = [row for spec in specs for row in pq.read_table(folder / spec.name).to_pylist()]
     report = write_report(folder / REPORT, samples, config.baseline)
-    write_manifest(folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems),
-                                                    "code_isolation": isolation})  # fmt: skip
+    write_manifest(
+        folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems), "code_isolation": isolation}
+    )
     log("\n" + report["markdown"])
-    result = {"folder": str(folder), "report": str(folder / REPORT), "markdown": report["markdown"],
-              "table": report["table"], "exact": report["exact"], "code_isolation": isolation,
-              "mlflow_run_id": None}  # fmt: skip
+    result = {
+        "folder": str(folder),
+        "report": str(folder / REPORT),
+        "markdown": report["markdown"],
+        "table": report["table"],
+        "exact": report["exact"],
+        "code_isolation": isolation,
+        "mlflow_run_id": None,
+    }
     if tracking.uri:
-        datasets = {b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name]
-                    for b in config.benchmarks}  # fmt: skip
+        datasets = {
+            b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name] for b in config.benchmarks
+        }
         result["mlflow_run_id"] = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
     return result
 
@@ -115,8 +131,10 @@ def code_isolation(config: EvalConfig, problems: list[Problem], log: Callable[[s
     if not any(p.code for p in problems):
         return None
     if config.unsafe_no_isolation:
-        log("WARNING: unsafe_no_isolation is set: model-written programs run WITHOUT operating-system isolation, "
-            "guarded only by an in-process audit hook that hostile code can defeat; recorded with the results")  # fmt: skip
+        log(
+            "WARNING: unsafe_no_isolation is set: model-written programs run WITHOUT operating-system isolation, "
+            "guarded only by an in-process audit hook that hostile code can defeat; recorded with the results"
+        )
         return "unsafe: none (unsafe_no_isolation)"
     require_isolation()
     return "bubblewrap namespaces, unprivileged uid"
@@ -126,8 +144,15 @@ def _digest(items: list) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def log_evaluation(tracking: TrackingConfig, folder: Path, config: EvalConfig, ray_config: RayConfig, report: dict,
-                   datasets: dict[str, list], log: Callable[[str], None]) -> str:  # fmt: skip
+def log_evaluation(
+    tracking: TrackingConfig,
+    folder: Path,
+    config: EvalConfig,
+    ray_config: RayConfig,
+    report: dict,
+    datasets: dict[str, list],
+    log: Callable[[str], None],
+) -> str:
     """The stage's MLflow run: params, the benchmarks (name -> their problems) and the evaluated
     MLflow models as inputs, one metric per table cell, the report folder as artifacts, the table as the
     run's description; and each model with a `model_uri` gets its rows as metrics of its own."""
@@ -147,25 +172,48 @@ def log_evaluation(tracking: TrackingConfig, folder: Path, config: EvalConfig, r
     return run_id
 
 
-def _log_results(mlflow, run_id: str, config: EvalConfig, report: dict, datasets: dict[str, list], report_dir: Path,
-                 log: Callable[[str], None]) -> None:  # fmt: skip
+def _log_results(
+    mlflow,
+    run_id: str,
+    config: EvalConfig,
+    report: dict,
+    datasets: dict[str, list],
+    report_dir: Path,
+    log: Callable[[str], None],
+) -> None:
     from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, Metric
 
     now = int(time.time() * 1000)
     cells = [(row, name) for row in report["table"] for name in METRICS if row[name] is not None]
-    metrics = [Metric(f"{r['benchmark']}/{r['model']}/{r['method']}/{name}", float(r[name]), now, 0)
-               for r, name in cells]  # fmt: skip
+    metrics = [
+        Metric(f"{r['benchmark']}/{r['model']}/{r['method']}/{name}", float(r[name]), now, 0) for r, name in cells
+    ]
     # Each benchmark's problems as an input dataset (the pooled rows get one of their own), and the models.
     digests = {name: _digest(items) for name, items in datasets.items()}
     digests[ALL] = _digest(sorted(digests.values()))
-    inputs = [DatasetInput(Dataset(name, digests[name], "local", f"{len(items)} problems of {name}"),
-                           [InputTag("mlflow.data.context", "evaluation")]) for name, items in datasets.items()]  # fmt: skip
+    inputs = [
+        DatasetInput(
+            Dataset(name, digests[name], "local", f"{len(items)} problems of {name}"),
+            [InputTag("mlflow.data.context", "evaluation")],
+        )
+        for name, items in datasets.items()
+    ]
     model_ids = {label: _model_id(mlflow, m.model_uri) for label, m in config.models.items() if m.model_uri}
     mlflow.log_inputs(run_id, datasets=inputs, models=[LoggedModelInput(i) for i in model_ids.values()])
     for label, model_id in model_ids.items():
-        metrics += [Metric(f"{r['benchmark']}/{r['method']}/{name}", float(r[name]), now, 0, model_id=model_id,
-                           dataset_name=r["benchmark"], dataset_digest=digests[r["benchmark"]])
-                    for r, name in cells if r["model"] == label]  # fmt: skip
+        metrics += [
+            Metric(
+                f"{r['benchmark']}/{r['method']}/{name}",
+                float(r[name]),
+                now,
+                0,
+                model_id=model_id,
+                dataset_name=r["benchmark"],
+                dataset_digest=digests[r["benchmark"]],
+            )
+            for r, name in cells
+            if r["model"] == label
+        ]
         log(f"results of {label!r} logged against MLflow model {config.models[label].model_uri} ({model_id})")
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         mlflow.log_batch(run_id, metrics=metrics[start : start + 1000])
@@ -181,13 +229,20 @@ def _model_id(mlflow, model_uri: str) -> str:
         raise ConfigError(f"model_uri {model_uri!r}: use models:/NAME/VERSION, models:/NAME@ALIAS or models:/MODEL_ID")
     if "@" not in ref and "/" not in ref:
         return ref
-    version = mlflow.get_model_version_by_alias(*ref.split("@", 1)) if "@" in ref else mlflow.get_model_version(
-        *ref.split("/", 1))  # fmt: skip
+    version = (
+        mlflow.get_model_version_by_alias(*ref.split("@", 1))
+        if "@" in ref
+        else mlflow.get_model_version(*ref.split("/", 1))
+    )
     # MLflow 3 registers a logged model with source models:/<model id>; some servers leave model_id empty.
-    model_id = version.model_id or (version.source.removeprefix("models:/") if version.source.startswith("models:/") else None)
+    model_id = version.model_id or (
+        version.source.removeprefix("models:/") if version.source.startswith("models:/") else None
+    )
     if not model_id:
-        raise ConfigError(f"model_uri {model_uri!r}: this version was not logged as an MLflow model "
-                          f"(source {version.source}); give the model's own URI, models:/<model id>")  # fmt: skip
+        raise ConfigError(
+            f"model_uri {model_uri!r}: this version was not logged as an MLflow model "
+            f"(source {version.source}); give the model's own URI, models:/<model id>"
+        )
     return model_id
 
 
@@ -207,9 +262,15 @@ def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | No
     """Prefect task over `run_evaluation`; the table also becomes a Markdown artifact of the flow run."""
     from prefect.artifacts import create_markdown_artifact
 
-    result = run_evaluation(from_dict(EvalConfig, evaluation, "eval"), from_dict(RayConfig, ray or {}, "ray"),
-                            from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
-    create_markdown_artifact(result["markdown"], key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method")
+    result = run_evaluation(
+        from_dict(EvalConfig, evaluation, "eval"),
+        from_dict(RayConfig, ray or {}, "ray"),
+        from_dict(TrackingConfig, tracking or {}, "tracking"),
+        log=get_run_logger().info,
+    )
+    create_markdown_artifact(
+        result["markdown"], key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method"
+    )
     return result
 
 
@@ -218,10 +279,17 @@ SECTIONS = {"eval": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
 
 def main(argv: list[str] | None = None) -> None:
     """jf-eval --config RECIPE: run (or resume) the evaluation stage alone."""
-    result = stage_main(argv, "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.", SECTIONS,
-                        lambda c: run_evaluation(c["eval"], c["ray"], c["tracking"]),
-                        (ConfigError, ModelLoadError, FileNotFoundError, IsolationUnavailable))  # fmt: skip
-    print(f"\nreport: {result['report']}" + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else ""))
+    result = stage_main(
+        argv,
+        "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.",
+        SECTIONS,
+        lambda c: run_evaluation(c["eval"], c["ray"], c["tracking"]),
+        (ConfigError, ModelLoadError, FileNotFoundError, IsolationUnavailable),
+    )
+    print(
+        f"\nreport: {result['report']}"
+        + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else "")
+    )
 
 
 if __name__ == "__main__":

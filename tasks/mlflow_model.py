@@ -26,8 +26,13 @@ class JacobiForcingModel(PythonModel):
         texts = model_input if isinstance(model_input, list) else list(model_input.iloc[:, 0])
         settings = params or {}  # MLflow fills what the caller left out from the signature's defaults
         prompts = [encode_chat(self.tokenizer, str(text)) for text in texts]
-        out = decode(self.model, prompts, DecodeConfig(**settings), eos_token_id=self.tokenizer.eos_token_id,
-                     pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip
+        out = decode(
+            self.model,
+            prompts,
+            DecodeConfig(**settings),
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
         return self.tokenizer.batch_decode(out.sequences, skip_special_tokens=True)
 
 

@@ -47,7 +47,9 @@ def packed_problem(folder: str | Path) -> str | None:
         rows = sum(pq.read_metadata(folder / name).num_rows for name in stats["shards"])
     except (OSError, pa.ArrowException) as err:
         return f"a packed shard in {folder} is missing or unreadable ({err})"
-    return None if rows == stats["sequences"] else f"{folder} holds {rows} sequences, its stats say {stats['sequences']}"
+    return (
+        None if rows == stats["sequences"] else f"{folder} holds {rows} sequences, its stats say {stats['sequences']}"
+    )
 
 
 @task(name="pack-trajectories")
@@ -56,6 +58,8 @@ def pack_trajectories_task(trajectories: str, out_dir: str, packing: dict) -> di
     stats = pack_trajectories(trajectories, out_dir, from_dict(PackingConfig, packing, "packing"))
     get_run_logger().info(
         "packed %d sequences, %d tokens; %.0f%% of blocks carry consistency loss",
-        stats["sequences"], stats["tokens"], 100 * stats["consistency_share"],
+        stats["sequences"],
+        stats["tokens"],
+        100 * stats["consistency_share"],
     )
     return stats

@@ -32,7 +32,9 @@ NO_RAY = "none"  # RayConfig.address: run one worker in this process
 
 @dataclass(frozen=True)
 class RayConfig:
-    address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster; "none": no Ray
+    address: str | None = (
+        None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster; "none": no Ray
+    )
     num_workers: int = 1  # model replicas
     cpus_per_worker: int = 1
     gpus_per_worker: float = 0.0  # 1 per replica on GPU machines
@@ -63,8 +65,15 @@ def ray_session(config: RayConfig) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    local = {"num_cpus": config.num_workers * config.cpus_per_worker, "include_dashboard": False,
-             "object_store_memory": config.object_store_mb << 20} if config.address is None else {}  # fmt: skip
+    local = (
+        {
+            "num_cpus": config.num_workers * config.cpus_per_worker,
+            "include_dashboard": False,
+            "object_store_memory": config.object_store_mb << 20,
+        }
+        if config.address is None
+        else {}
+    )
     ray.init(address=config.address, log_to_driver=False, **local)
     try:
         yield
@@ -146,8 +155,9 @@ def start_workers(cls: type, config: RayConfig, *args) -> list:
     return [actor.remote(*args, config.cpus_per_worker) for _ in range(config.num_workers)]
 
 
-def fill_shards(folder: Path, specs: list[ShardSpec], workers: list, submit: Callable, settings: dict,
-                log: Callable[[str], None]) -> None:  # fmt: skip
+def fill_shards(
+    folder: Path, specs: list[ShardSpec], workers: list, submit: Callable, settings: dict, log: Callable[[str], None]
+) -> None:
     """Make every shard of `specs` in `folder` that its manifest does not list yet.
 
     `submit(worker, spec)` returns the Ray ref of a task that writes the shard and returns its `ShardRecord`.
@@ -167,8 +177,7 @@ def fill_shards(folder: Path, specs: list[ShardSpec], workers: list, submit: Cal
         finished += 1
         elapsed, made = time.perf_counter() - start, finished - len(done)
         eta = elapsed / made * (len(specs) - finished)
-        log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows "
-            f"({elapsed:.0f} s, ETA {eta:.0f} s)")  # fmt: skip
+        log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows ({elapsed:.0f} s, ETA {eta:.0f} s)")
 
     if workers and isinstance(workers[0], InProcessWorker | ProcessWorker):  # the next shard to the first idle worker
         running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}

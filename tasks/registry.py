@@ -39,8 +39,10 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         check(self.method in ("jacobi", "multiblock"), f"gate.method: {self.method!r} is not jacobi or multiblock")
-        check(self.max_accuracy_drop_problems >= 0,
-              f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}")  # fmt: skip
+        check(
+            self.max_accuracy_drop_problems >= 0,
+            f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}",
+        )
 
 
 def pooled(table: list[dict], model: str, method: str) -> dict:
@@ -62,17 +64,30 @@ def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: b
         bar, who = pooled(table, "base", "hf_greedy") | {"speedup": 1.0}, "the base model (greedy)"
     solved, bar_solved = _solved(new), _solved(bar)
     accurate = solved >= bar_solved - gate.max_accuracy_drop_problems
-    faster = new["speedup"] is not None and bar["speedup"] is not None and new["speedup"] > bar["speedup"] + gate.min_speedup_gain
+    faster = (
+        new["speedup"] is not None
+        and bar["speedup"] is not None
+        and new["speedup"] > bar["speedup"] + gate.min_speedup_gain
+    )
     if not gate.require_exact:
         exact, exact_note = True, "exactness not required"
     elif not float32:
-        exact, exact_note = False, "exactness unchecked: the evaluation did not run in float32 (evaluate in float32 or set gate.require_exact: false)"
+        exact, exact_note = (
+            False,
+            "exactness unchecked: the evaluation did not run in float32 (evaluate in float32 or set gate.require_exact: false)",
+        )
     else:
         exact, exact_note = new["exact"] == 1.0, f"{new['exact']:.0%} of outputs equal greedy"
-    failed = [what for what, ok in (("accuracy fell too far", accurate), ("not faster", faster), ("not exact", exact)) if not ok]
-    reason = (f"{gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} of {who} (allowed drop "
-              f"{gate.max_accuracy_drop_problems}), speedup {_x(new['speedup'])} vs {_x(bar['speedup'])} (must gain more "
-              f"than {gate.min_speedup_gain:.2f}), {exact_note}")  # fmt: skip
+    failed = [
+        what
+        for what, ok in (("accuracy fell too far", accurate), ("not faster", faster), ("not exact", exact))
+        if not ok
+    ]
+    reason = (
+        f"{gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} of {who} (allowed drop "
+        f"{gate.max_accuracy_drop_problems}), speedup {_x(new['speedup'])} vs {_x(bar['speedup'])} (must gain more "
+        f"than {gate.min_speedup_gain:.2f}), {exact_note}"
+    )
     return not failed, (f"{'; '.join(failed)}: " if failed else "") + reason
 
 
@@ -80,16 +95,29 @@ def _x(speedup: float | None) -> str:
     return "n/a" if speedup is None else f"{speedup:.2f}x"
 
 
-def promote(tracking: TrackingConfig, version: str, table: list[dict], gate: GateConfig, champion: str | None,
-            float32: bool, log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def promote(
+    tracking: TrackingConfig,
+    version: str,
+    table: list[dict],
+    gate: GateConfig,
+    champion: str | None,
+    float32: bool,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Tag `version` with its figures and the gate's decision, make it the challenger, and the champion if it
     passes against `champion` (the current champion's version, evaluated in `table` as `champion`)."""
     name, mlflow = tracking.registered_model, client(tracking)
     new = pooled(table, "trained", gate.method)
     passed, reason = decide(table, gate, f"v{champion}" if champion else None, float32)
-    tags = {TAG + "method": gate.method, TAG + "accuracy": new["accuracy"], TAG + "speedup": new["speedup"],
-            TAG + "tpf": new["tpf"], TAG + "exact": new["exact"], DECISION: PROMOTED if passed else REJECTED,
-            REASON: reason}  # fmt: skip
+    tags = {
+        TAG + "method": gate.method,
+        TAG + "accuracy": new["accuracy"],
+        TAG + "speedup": new["speedup"],
+        TAG + "tpf": new["tpf"],
+        TAG + "exact": new["exact"],
+        DECISION: PROMOTED if passed else REJECTED,
+        REASON: reason,
+    }
     for key, value in tags.items():
         mlflow.set_model_version_tag(name, version, key, str(value))
     mlflow.set_registered_model_alias(name, CHALLENGER, version)
@@ -132,8 +160,16 @@ def fetch_version(tracking: TrackingConfig, version: str, cache: Path) -> Path:
 
 
 @task(name="register")
-def register_task(tracking: dict, version: str, table: list[dict], gate: dict, champion: str | None,
-                  float32: bool) -> dict:  # fmt: skip
+def register_task(
+    tracking: dict, version: str, table: list[dict], gate: dict, champion: str | None, float32: bool
+) -> dict:
     """Prefect task over `promote`."""
-    return promote(from_dict(TrackingConfig, tracking, "tracking"), version, table, from_dict(GateConfig, gate, "gate"),
-                   champion, float32, log=get_run_logger().info)  # fmt: skip
+    return promote(
+        from_dict(TrackingConfig, tracking, "tracking"),
+        version,
+        table,
+        from_dict(GateConfig, gate, "gate"),
+        champion,
+        float32,
+        log=get_run_logger().info,
+    )

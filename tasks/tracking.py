@@ -145,8 +145,11 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
             signature=infer_signature(["prompt"], ["completion"], params=dict(SERVING_PARAMS)),
             registered_model_name=config.registered_model,
         )
-    model = {"model_uri": info.model_uri, "registered_model": config.registered_model,
-             "version": info.registered_model_version}  # fmt: skip
+    model = {
+        "model_uri": info.model_uri,
+        "registered_model": config.registered_model,
+        "version": info.registered_model_version,
+    }
     record = json.loads((folder / RUN_FILE).read_text()) | {"model": model}
     atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record)))  # a rerun logs no second copy
     return model

@@ -64,8 +64,10 @@ class LaunchConfig:
         check(
             self.processes is None or self.processes >= 1, f"LaunchConfig.processes: must be >= 1, got {self.processes}"
         )
-        check(self.threads_per_process is None or self.threads_per_process >= 1,
-              f"LaunchConfig.threads_per_process: must be >= 1, got {self.threads_per_process}")  # fmt: skip
+        check(
+            self.threads_per_process is None or self.threads_per_process >= 1,
+            f"LaunchConfig.threads_per_process: must be >= 1, got {self.threads_per_process}",
+        )
 
 
 def load_deepspeed_config(name_or_path: str) -> dict:
@@ -81,8 +83,12 @@ def load_deepspeed_config(name_or_path: str) -> dict:
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
 
 
-def run_training(train: TrainConfig, launch: LaunchConfig | None = None, tracking: TrackingConfig | None = None,
-                 log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def run_training(
+    train: TrainConfig,
+    launch: LaunchConfig | None = None,
+    tracking: TrackingConfig | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
     launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
     train = _absolute_paths(train)  # the processes must read the same files, whatever their working folder
@@ -118,14 +124,24 @@ def run_training(train: TrainConfig, launch: LaunchConfig | None = None, trackin
             result["model"] = log_model_by_path(tracking, run_id, out / "final", out)  # ends the run: FINISHED
         else:
             client(tracking).set_terminated(run_id, "FINISHED")
-        log(f"model in MLflow run {run_id}: {result['model']['model_uri']}"
-            + (f", registered as {tracking.registered_model} v{result['model']['version']}" if tracking.registered_model else ""))  # fmt: skip
+        log(
+            f"model in MLflow run {run_id}: {result['model']['model_uri']}"
+            + (
+                f", registered as {tracking.registered_model} v{result['model']['version']}"
+                if tracking.registered_model
+                else ""
+            )
+        )
     return result
 
 
 def _absolute_paths(train: TrainConfig) -> TrainConfig:
-    return replace(train, data=str(Path(train.data).resolve()), output_dir=str(Path(train.output_dir).resolve()),
-                   model=with_absolute_path(train.model))  # fmt: skip
+    return replace(
+        train,
+        data=str(Path(train.data).resolve()),
+        output_dir=str(Path(train.output_dir).resolve()),
+        model=with_absolute_path(train.model),
+    )
 
 
 def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None]) -> None:
@@ -142,16 +158,27 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
         "TORCH_EXTENSIONS_DIR",
         str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
     )
-    command = [sys.executable, "-m", "tasks.launch_guard",  # ends the job if this process dies
-               sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", "tasks.train_worker", str(launch_file)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tasks.launch_guard",  # ends the job if this process dies
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        "-m",
+        "tasks.train_worker",
+        str(launch_file),
+    ]
     for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
         stale.unlink()
     log(f"launching {processes} training process(es): {' '.join(command[5:])}")
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
 
     def kill() -> None:  # the guard stops torchrun, which stops the ranks; SIGKILL if that hangs
         if proc.poll() is None:
@@ -212,8 +239,12 @@ def _processes_failed(task, task_run, state) -> bool:
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_processes_failed)
 def train_task(train: dict, launch: dict | None = None, tracking: dict | None = None) -> dict:
     """Prefect task over `run_training`; the configs are plain data, checked strictly."""
-    return run_training(from_dict(TrainConfig, train, "train"), from_dict(LaunchConfig, launch or {}, "launch"),
-                        from_dict(TrackingConfig, tracking or {}, "tracking"), log=get_run_logger().info)  # fmt: skip
+    return run_training(
+        from_dict(TrainConfig, train, "train"),
+        from_dict(LaunchConfig, launch or {}, "launch"),
+        from_dict(TrackingConfig, tracking or {}, "tracking"),
+        log=get_run_logger().info,
+    )
 
 
 SECTIONS = {"train": TrainConfig, "launch": LaunchConfig, "tracking": TrackingConfig}
@@ -221,9 +252,13 @@ SECTIONS = {"train": TrainConfig, "launch": LaunchConfig, "tracking": TrackingCo
 
 def main(argv: list[str] | None = None) -> None:
     """jf-train --config RECIPE: run (or resume) the training stage alone."""
-    result = stage_main(argv, "Distill a model on packed Jacobi trajectories with DeepSpeed.", SECTIONS,
-                        lambda c: run_training(c["train"], c["launch"], c["tracking"]),
-                        (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed))  # fmt: skip
+    result = stage_main(
+        argv,
+        "Distill a model on packed Jacobi trajectories with DeepSpeed.",
+        SECTIONS,
+        lambda c: run_training(c["train"], c["launch"], c["tracking"]),
+        (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed),
+    )
     print(json.dumps(result, indent=2, default=str))
 
 

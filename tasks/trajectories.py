@@ -77,44 +77,60 @@ def generate_trajectories(
     if not prompt_set.ids:
         raise ValueError(f"no usable prompts in {prompts.path} ({prompt_set.skipped_too_long} longer than the budget)")
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
-    store = Path(out_dir) / run_key(model=source_fingerprint(model), tokenizer=tokenizer_fp,
-                                    trajectory=asdict(trajectory))  # fmt: skip
+    store = Path(out_dir) / run_key(
+        model=source_fingerprint(model), tokenizer=tokenizer_fp, trajectory=asdict(trajectory)
+    )
     keys = prompt_set.keys()
     # a shard whose file is gone or damaged is forgotten, so its prompts count as new
     held = {key: name for name, record in drop_unverified(store).items() for key in record.keys}
     todo = [i for i, key in enumerate(keys) if key not in held]
-    log(f"{len(keys)} prompts ({prompt_set.skipped_too_long} skipped: over {prompts.max_prompt_tokens} tokens): "
+    log(
+        f"{len(keys)} prompts ({prompt_set.skipped_too_long} skipped: over {prompts.max_prompt_tokens} tokens): "
         f"{len(keys) - len(todo)} already decoded with this model and settings (reused), {len(todo)} to decode; "
-        f"store {store}")  # fmt: skip
+        f"store {store}"
+    )
     if todo:
         with ray_session(ray_config):
-            held |= _decode(model, prompt_set, keys, todo, tokenizer_fp, trajectory, ray_config, store,
-                            prompts_per_shard, log)  # fmt: skip
+            held |= _decode(
+                model, prompt_set, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard, log
+            )
     return _write_selection(store, prompt_set, keys, held, reused=len(keys) - len(todo))
 
 
-def _decode(model, prompt_set: PromptSet, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard,
-            log) -> dict[str, str]:  # fmt: skip
+def _decode(
+    model, prompt_set: PromptSet, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard, log
+) -> dict[str, str]:
     """Decode the prompts `todo` (indices into the set) into new shards; returns their key -> shard name."""
     workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
     model_fp, worker_tokenizer_fp = get(workers[0].fingerprints.remote())
     log(f"{len(workers)} workers ready (pids {get([w.pid.remote() for w in workers])})")
     if worker_tokenizer_fp != tokenizer_fp:
         raise RuntimeError("the workers loaded a different tokenizer than the driver; check the model path")
-    settings = {"model": asdict(model), "model_fingerprint": model_fp, "tokenizer_fingerprint": tokenizer_fp,
-                "trajectory": asdict(trajectory)}  # fmt: skip
+    settings = {
+        "model": asdict(model),
+        "model_fingerprint": model_fp,
+        "tokenizer_fingerprint": tokenizer_fp,
+        "trajectory": asdict(trajectory),
+    }
     manifest = read_manifest(store)
     recorded = manifest.get("settings", {}).get("model_fingerprint")
     if recorded not in (None, model_fp):
-        raise RuntimeError(f"{store} holds trajectories of weights {recorded}, but the files it was named after now "
-                           f"load as {model_fp}; move the store away (its files were rewritten in place?)")  # fmt: skip
+        raise RuntimeError(
+            f"{store} holds trajectories of weights {recorded}, but the files it was named after now "
+            f"load as {model_fp}; move the store away (its files were rewritten in place?)"
+        )
     names = [int(m.group(1)) for name in manifest["shards"] if (m := re.match(r"shard-(\d+)", name))]
     specs = plan_shards(len(todo), prompts_per_shard, first_index=max(names, default=-1) + 1)
 
     def submit(worker, spec: ShardSpec):
         chosen = todo[spec.start : spec.stop]
-        return worker.run.remote(spec, [prompt_set.ids[i] for i in chosen], [prompt_set.token_ids[i] for i in chosen],
-                                 [keys[i] for i in chosen], str(store))  # fmt: skip
+        return worker.run.remote(
+            spec,
+            [prompt_set.ids[i] for i in chosen],
+            [prompt_set.token_ids[i] for i in chosen],
+            [keys[i] for i in chosen],
+            str(store),
+        )
 
     fill_shards(store, specs, workers, submit, settings, log)
     return {keys[i]: spec.name for spec in specs for i in todo[spec.start : spec.stop]}
@@ -124,10 +140,17 @@ def _write_selection(store: Path, prompt_set: PromptSet, keys: list[str], held: 
     shards: dict[str, list[str]] = {}
     for prompt_id, key in zip(prompt_set.ids, keys):
         shards.setdefault(held[key], []).append(prompt_id)
-    selection = {"complete": True, "store": str(store), "prompts_fingerprint": prompt_set.fingerprint(),
-                 "num_prompts": len(keys), "skipped_too_long": prompt_set.skipped_too_long, "reused": reused,
-                 "decoded": len(keys) - reused, "shards": dict(sorted(shards.items())),
-                 "settings": read_manifest(store).get("settings", {})}  # fmt: skip
+    selection = {
+        "complete": True,
+        "store": str(store),
+        "prompts_fingerprint": prompt_set.fingerprint(),
+        "num_prompts": len(keys),
+        "skipped_too_long": prompt_set.skipped_too_long,
+        "reused": reused,
+        "decoded": len(keys) - reused,
+        "shards": dict(sorted(shards.items())),
+        "settings": read_manifest(store).get("settings", {}),
+    }
     path = store / SETS / f"{prompt_set.fingerprint()}.json"
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(selection, indent=1)))
     return path

@@ -23,7 +23,7 @@ from jfcore.hostspeed import scaled
 
 # Every test's time limit (pytest-timeout; setup and teardown count, so a module fixture's work counts toward
 # the test that first uses it), scaled to this host's speed. With two CPU-bound processes beside the suite on
-# the 2-core reference machine the slowest test took 10.5 minutes (tests/test_training_smollm2.py), and over
+# the 2-core reference machine the slowest test took 10.5 minutes (tests/integration/test_training_smollm2.py), and over
 # 20 with a second whole suite running beside it as well (the limit scales with the host's speed, not its
 # load); 30 lets a loaded host pass, and a hang still fails with every thread's stack well inside CI's
 # 90 minutes. A test may set its own with @pytest.mark.timeout(seconds).

@@ -77,8 +77,10 @@ class Problem:
 
 def _humaneval(row: dict) -> Problem:
     code = humaneval_problem(row)
-    ask = ("Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
-           f"```python\n{row['prompt']}```")  # fmt: skip
+    ask = (
+        "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
+        f"```python\n{row['prompt']}```"
+    )
     return Problem("humaneval", row["task_id"], ask, code.reference, code)
 
 

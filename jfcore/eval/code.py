@@ -50,10 +50,16 @@ class CodeProblem:
 
 def humaneval_problem(row: dict) -> CodeProblem:
     return CodeProblem(
-        task_id=row["task_id"], prompt=row["prompt"], stub=row["prompt"], context=row["prompt"],
-        tests=f"{row['test']}\ncheck({row['entry_point']})\n", after="", entry_point=row["entry_point"],
-        reference=row["prompt"] + row["canonical_solution"], cpu_budget_s=CPU_BUDGET_S["humaneval"],
-    )  # fmt: skip
+        task_id=row["task_id"],
+        prompt=row["prompt"],
+        stub=row["prompt"],
+        context=row["prompt"],
+        tests=f"{row['test']}\ncheck({row['entry_point']})\n",
+        after="",
+        entry_point=row["entry_point"],
+        reference=row["prompt"] + row["canonical_solution"],
+        cpu_budget_s=CPU_BUDGET_S["humaneval"],
+    )
 
 
 def mbpp_problem(row: dict, benchmark: str = "mbpp") -> CodeProblem:
@@ -62,19 +68,25 @@ def mbpp_problem(row: dict, benchmark: str = "mbpp") -> CodeProblem:
     called = re.findall(r"(\w+)\s*\(", tests)
     entry = next((name for name in called if re.search(rf"^def\s+{name}\s*\(", row["code"], re.MULTILINE)), None)
     return CodeProblem(
-        task_id=str(row["task_id"]), prompt=row.get("prompt") or row["text"], stub="",
-        context="\n".join(row.get("test_imports") or []), tests=tests, after=row.get("test_setup_code") or "",
-        entry_point=entry, reference=row["code"], cpu_budget_s=CPU_BUDGET_S[benchmark],
-    )  # fmt: skip
+        task_id=str(row["task_id"]),
+        prompt=row.get("prompt") or row["text"],
+        stub="",
+        context="\n".join(row.get("test_imports") or []),
+        tests=tests,
+        after=row.get("test_setup_code") or "",
+        entry_point=entry,
+        reference=row["code"],
+        cpu_budget_s=CPU_BUDGET_S[benchmark],
+    )
 
 
-def score_completion(problem: CodeProblem, completion: str, limits: SandboxLimits | None = None,
-                     isolated: bool = True) -> Verdict:  # fmt: skip
+def score_completion(
+    problem: CodeProblem, completion: str, limits: SandboxLimits | None = None, isolated: bool = True
+) -> Verdict:
     """Pass@1 verdict of one completion: its program, judged by the problem's tests.
 
     `limits` default to the problem's CPU budget scaled to this host; `isolated=False` is the unsafe flag.
     """
     program = extract_program(completion, problem.stub, problem.entry_point)
     limits = limits or SandboxLimits(cpu_s=scaled(problem.cpu_budget_s))
-    return judge(program, problem.tests, context=problem.context, after=problem.after, limits=limits,
-                 isolated=isolated)  # fmt: skip
+    return judge(program, problem.tests, context=problem.context, after=problem.after, limits=limits, isolated=isolated)

@@ -35,8 +35,10 @@ class DecodingSettings:
     warmup_tokens: int = 16  # each worker decodes this many tokens per model and method before timing
 
     def __post_init__(self) -> None:
-        check(REFERENCE in self.methods,
-              f"decoding.methods: must include {REFERENCE!r} (exactness and speedups are measured against it)")  # fmt: skip
+        check(
+            REFERENCE in self.methods,
+            f"decoding.methods: must include {REFERENCE!r} (exactness and speedups are measured against it)",
+        )
         check(len(set(self.methods)) == len(self.methods), f"decoding.methods: listed twice in {list(self.methods)}")
         check(self.max_new_tokens >= 1, f"decoding.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         check(self.block_size >= 1, f"decoding.block_size: must be >= 1, got {self.block_size}")
@@ -46,8 +48,14 @@ class DecodingSettings:
         """Keyword arguments of `DecodeConfig` for a project method (the token budget aside)."""
         if method == "jacobi":
             return {"method": "jacobi", "block_size": self.block_size}
-        return {"method": "multiblock", "block_size": self.block_size, "num_blocks": self.num_blocks,
-                "pool_size": self.pool_size, "spawn_ratio": self.spawn_ratio, "ngram_size": self.ngram_size}  # fmt: skip
+        return {
+            "method": "multiblock",
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "pool_size": self.pool_size,
+            "spawn_ratio": self.spawn_ratio,
+            "ngram_size": self.ngram_size,
+        }
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.models), "eval.models: name at least one model, e.g. {base: {model: {name_or_path: ...}}}")
-        check(self.baseline in self.models,
-              f"eval.baseline: {self.baseline!r} is not one of the models ({', '.join(self.models)})")  # fmt: skip
+        check(
+            self.baseline in self.models,
+            f"eval.baseline: {self.baseline!r} is not one of the models ({', '.join(self.models)})",
+        )
         check(bool(self.benchmarks), "eval.benchmarks: list at least one, e.g. [{name: gsm8k, limit: 20}]")
         names = [b.name for b in self.benchmarks]
         check(len(set(names)) == len(names), f"eval.benchmarks: a benchmark is listed twice in {names}")

@@ -32,14 +32,21 @@ from pathlib import Path
 NOBODY = 65534
 SANDBOX_SERVER = "/sandbox/sandbox_server.py"  # where the server script is mounted inside
 # What a program's environment holds; nothing of the parent's (tokens, keys, cloud credentials).
-ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
-               "HOME": "/tmp"}  # fmt: skip
+ENVIRONMENT = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "HOME": "/tmp",
+}
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
-FIX = ("Install bubblewrap (`apt-get install bubblewrap`, or run `bash infra/setup.sh`, which installs it) on a "
-       "Linux kernel that allows namespaces (a non-root user also needs user namespaces: "
-       "sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0). Only if every program "
-       "evaluated here is trusted: set `unsafe_no_isolation: true` in the evaluation config (recorded with the results).")  # fmt: skip
+FIX = (
+    "Install bubblewrap (`apt-get install bubblewrap`, or run `bash infra/setup.sh`, which installs it) on a "
+    "Linux kernel that allows namespaces (a non-root user also needs user namespaces: "
+    "sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0). Only if every program "
+    "evaluated here is trusted: set `unsafe_no_isolation: true` in the evaluation config (recorded with the results)."
+)
 
 
 class IsolationUnavailable(RuntimeError):
@@ -78,8 +85,21 @@ def sandbox_command(server: str, *, tmpfs_mb: int, info_fd: int) -> list[str]:
     if bwrap is None:
         raise IsolationUnavailable(f"bubblewrap (bwrap) is not installed. {FIX}")
     python = interpreter()
-    args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--as-pid-1", "--info-fd", str(info_fd), "--hostname", "sandbox"]  # fmt: skip
+    args = [
+        bwrap,
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--as-pid-1",
+        "--info-fd",
+        str(info_fd),
+        "--hostname",
+        "sandbox",
+    ]
     root = os.geteuid() == 0
     if not root:
         args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"]
@@ -94,14 +114,43 @@ def sandbox_command(server: str, *, tmpfs_mb: int, info_fd: int) -> list[str]:
     for path in SYSTEM_FILES:
         if os.path.exists(path):
             args += _readable_tree(path, covered)
-    args += ["--perms", "0755", "--dir", os.path.dirname(SANDBOX_SERVER), "--ro-bind", server, SANDBOX_SERVER,
-             "--proc", "/proc", "--dev", "/dev", "--size", str(tmpfs_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
-             "--chdir", "/tmp", "--clearenv"]  # fmt: skip
+    args += [
+        "--perms",
+        "0755",
+        "--dir",
+        os.path.dirname(SANDBOX_SERVER),
+        "--ro-bind",
+        server,
+        SANDBOX_SERVER,
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(tmpfs_mb << 20),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        "/tmp",
+        "--clearenv",
+    ]
     args += [a for k, v in ENVIRONMENT.items() for a in ("--setenv", k, v)]
     args.append("--")
     if root:  # become nobody, keeping no capability; keep dying with bwrap (a uid change clears that)
-        args += ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-                 "--bounding-set=-all", "--no-new-privs", "--pdeathsig", "SIGKILL", "--"]  # fmt: skip
+        args += [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--pdeathsig",
+            "SIGKILL",
+            "--",
+        ]
     return [*args, python, "-I", SANDBOX_SERVER]
 
 

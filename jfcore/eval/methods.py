@@ -37,8 +37,9 @@ def project_method(model, eos: list[int], pad: int, **config) -> Method:
     """The project's decoder with `DecodeConfig(**config)` (method "ar", "jacobi" or "multiblock")."""
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> Run:
-        out = decode(model, prompts, DecodeConfig(max_new_tokens=max_new_tokens, **config), eos_token_id=eos,
-                     pad_token_id=pad)  # fmt: skip
+        out = decode(
+            model, prompts, DecodeConfig(max_new_tokens=max_new_tokens, **config), eos_token_id=eos, pad_token_id=pad
+        )
         s = out.stats
         return Run(out.sequences, s.prefill_seconds, s.decode_seconds, s.forward_seconds, s.decode_forwards)
 

@@ -28,8 +28,14 @@ def speedup_vs_accuracy(table: Sequence[dict], path: Path) -> Path:
     colors = {m: f"C{i}" for i, m in enumerate(models)}
     for ax, benchmark in zip(axes, benchmarks):
         for r in (r for r in table if r["benchmark"] == benchmark and r["speedup"] is not None):
-            ax.scatter(r["speedup"], 100 * r["accuracy"], s=60, color=colors[r["model"]],
-                       marker=MARKERS.get(r["method"], "D"), label=f"{r['model']} / {r['method']}")  # fmt: skip
+            ax.scatter(
+                r["speedup"],
+                100 * r["accuracy"],
+                s=60,
+                color=colors[r["model"]],
+                marker=MARKERS.get(r["method"], "D"),
+                label=f"{r['model']} / {r['method']}",
+            )
         top = max((100 * r["accuracy"] for r in table if r["benchmark"] == benchmark), default=0)
         ax.set_ylim(-2, min(102, top + 10))  # accuracy keeps its zero, so 0% reads as 0%
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
@@ -48,8 +54,10 @@ def tpf_distribution(samples: Sequence[dict], path: Path) -> Path:
     pairs = list(dict.fromkeys((s["model"], s["method"]) for s in samples))
     fig, axes = _figure(len(benchmarks), height=4.2)
     for ax, benchmark in zip(axes, benchmarks):
-        values = [[s["tpf"] for s in samples if s["benchmark"] == benchmark and (s["model"], s["method"]) == pair]
-                  for pair in pairs]  # fmt: skip
+        values = [
+            [s["tpf"] for s in samples if s["benchmark"] == benchmark and (s["model"], s["method"]) == pair]
+            for pair in pairs
+        ]
         ax.boxplot(values, tick_labels=[f"{m}\n{k}" for m, k in pairs], showmeans=True)
         ax.set(title=benchmark, ylabel="tokens per forward (per sample)")
         ax.tick_params(axis="x", labelsize=7, rotation=30)

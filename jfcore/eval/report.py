@@ -22,7 +22,19 @@ from statistics import mean
 from jfcore.eval.config import REFERENCE
 
 ALL = "all"  # the benchmark label of the rows that pool every benchmark
-COLUMNS = ("benchmark", "model", "method", "samples", "accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
+COLUMNS = (
+    "benchmark",
+    "model",
+    "method",
+    "samples",
+    "accuracy",
+    "timeouts",
+    "tpf",
+    "tps",
+    "decode_tps",
+    "speedup",
+    "exact",
+)
 
 
 def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
@@ -38,17 +50,25 @@ def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
         tokens = sum(r["new_tokens"] for r in rows)
         decode_seconds = sum(r["decode_seconds"] for r in rows)
         seconds = sum(r["prefill_seconds"] for r in rows) + decode_seconds
-        table.append({
-            "benchmark": benchmark, "model": model, "method": method, "samples": len(rows),
-            "accuracy": mean(r["correct"] for r in rows),
-            "timeouts": sum(r["verdict"] == "timeout" for r in rows),
-            "tpf": mean(r["tpf"] for r in rows),
-            "tps": tokens / seconds if seconds > 0 else 0.0,
-            "decode_tps": tokens / decode_seconds if decode_seconds > 0 else 0.0,
-            "exact": mean(r["exact"] for r in rows),
-            "new_tokens": tokens, "seconds": seconds,
-        })  # fmt: skip
-    reference = {row["benchmark"]: row["tps"] for row in table if row["model"] == baseline and row["method"] == REFERENCE}
+        table.append(
+            {
+                "benchmark": benchmark,
+                "model": model,
+                "method": method,
+                "samples": len(rows),
+                "accuracy": mean(r["correct"] for r in rows),
+                "timeouts": sum(r["verdict"] == "timeout" for r in rows),
+                "tpf": mean(r["tpf"] for r in rows),
+                "tps": tokens / seconds if seconds > 0 else 0.0,
+                "decode_tps": tokens / decode_seconds if decode_seconds > 0 else 0.0,
+                "exact": mean(r["exact"] for r in rows),
+                "new_tokens": tokens,
+                "seconds": seconds,
+            }
+        )
+    reference = {
+        row["benchmark"]: row["tps"] for row in table if row["model"] == baseline and row["method"] == REFERENCE
+    }
     for row in table:
         base = reference.get(row["benchmark"], 0.0)
         row["speedup"] = row["tps"] / base if base > 0 else None
@@ -64,8 +84,10 @@ def all_exact(samples: Iterable[dict]) -> tuple[int, int]:
 def markdown_table(table: Sequence[dict], samples: Sequence[dict]) -> str:
     """The table as Markdown, with a closing line on exactness against greedy decoding."""
 
-    lines = ["| benchmark | model | method | samples | accuracy | timeouts | TPF | TPS | decode TPS | speedup | = AR |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| benchmark | model | method | samples | accuracy | timeouts | TPF | TPS | decode TPS | speedup | = AR |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in table:
         lines.append(
             f"| {r['benchmark']} | {r['model']} | {r['method']} | {r['samples']} | {r['accuracy']:.1%} | {r['timeouts']} "
@@ -79,8 +101,14 @@ def markdown_table(table: Sequence[dict], samples: Sequence[dict]) -> str:
 
 
 # What `write_report` puts in its folder.
-REPORT_FILES = ("results.md", "results.json", "results.parquet", "samples.parquet",
-                "plots/speedup_vs_accuracy.png", "plots/tpf_distribution.png")  # fmt: skip
+REPORT_FILES = (
+    "results.md",
+    "results.json",
+    "results.parquet",
+    "samples.parquet",
+    "plots/speedup_vs_accuracy.png",
+    "plots/tpf_distribution.png",
+)
 
 
 def write_report(folder: Path, samples: Sequence[dict], baseline: str) -> dict:

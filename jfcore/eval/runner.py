@@ -22,26 +22,28 @@ from jfcore.eval.methods import Method, hf_method, project_method
 from jfcore.models import load_model, model_fingerprint, tokenizer_fingerprint
 
 # One row per (problem, model, method).
-SAMPLE_SCHEMA = pa.schema([
-    ("benchmark", pa.string()),
-    ("problem_id", pa.string()),
-    ("model", pa.string()),
-    ("method", pa.string()),
-    ("prompt_tokens", pa.int32()),
-    ("new_tokens", pa.int32()),
-    ("decode_forwards", pa.int32()),
-    ("prefill_seconds", pa.float64()),
-    ("decode_seconds", pa.float64()),
-    ("forward_seconds", pa.float64()),
-    ("tpf", pa.float64()),
-    ("tokens", pa.list_(pa.int32())),
-    ("completion", pa.string()),
-    ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
-    ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
-    ("correct", pa.bool_()),
-    ("verdict", pa.string()),  # code: passed, failed, timeout, load_error or error; math: correct or wrong
-    ("detail", pa.string()),  # why a completion scored as it did ("passed", "failed: ...", "wrong answer")
-])  # fmt: skip
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("benchmark", pa.string()),
+        ("problem_id", pa.string()),
+        ("model", pa.string()),
+        ("method", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("new_tokens", pa.int32()),
+        ("decode_forwards", pa.int32()),
+        ("prefill_seconds", pa.float64()),
+        ("decode_seconds", pa.float64()),
+        ("forward_seconds", pa.float64()),
+        ("tpf", pa.float64()),
+        ("tokens", pa.list_(pa.int32())),
+        ("completion", pa.string()),
+        ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
+        ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
+        ("correct", pa.bool_()),
+        ("verdict", pa.string()),  # code: passed, failed, timeout, load_error or error; math: correct or wrong
+        ("detail", pa.string()),  # why a completion scored as it did ("passed", "failed: ...", "wrong answer")
+    ]
+)
 
 
 @dataclass
@@ -57,17 +59,20 @@ def load_models(models: dict[str, EvalModel], settings: DecodingSettings) -> dic
         model, tokenizer = load_model(entry.model)
         eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
         methods = {
-            name: hf_method(model, eos, pad) if name == REFERENCE
+            name: hf_method(model, eos, pad)
+            if name == REFERENCE
             else project_method(model, eos, pad, **settings.decode_config(name))
             for name in settings.methods
-        }  # fmt: skip
+        }
         loaded[label] = LoadedModel(model, tokenizer, methods)
     return loaded
 
 
 def fingerprints(models: dict[str, LoadedModel]) -> dict[str, dict[str, str]]:
-    return {label: {"model": model_fingerprint(m.model), "tokenizer": tokenizer_fingerprint(m.tokenizer)}
-            for label, m in models.items()}  # fmt: skip
+    return {
+        label: {"model": model_fingerprint(m.model), "tokenizer": tokenizer_fingerprint(m.tokenizer)}
+        for label, m in models.items()
+    }
 
 
 class Evaluator:
@@ -89,8 +94,10 @@ class Evaluator:
             turn = (offset + i) % len(self.pairs)
             order = self.pairs[turn:] + self.pairs[:turn]
             prompts = {label: encode_chat(m.tokenizer, problem.prompt) for label, m in self.models.items()}
-            runs = {(label, method): self.models[label].methods[method]([prompts[label]], self.settings.max_new_tokens)
-                    for label, method in order}  # fmt: skip
+            runs = {
+                (label, method): self.models[label].methods[method]([prompts[label]], self.settings.max_new_tokens)
+                for label, method in order
+            }
             rows += self._rows(problem, prompts, runs)
         return rows
 
@@ -111,13 +118,26 @@ class Evaluator:
             if text not in scores:
                 scores[text] = problem.score(text, self.isolated)
             score = scores[text]
-            rows.append({
-                "benchmark": problem.benchmark, "problem_id": problem.id, "model": label, "method": method,
-                "prompt_tokens": len(prompts[label]), "new_tokens": len(tokens),
-                "decode_forwards": run.decode_forwards, "prefill_seconds": run.prefill_seconds,
-                "decode_seconds": run.decode_seconds, "forward_seconds": run.forward_seconds,
-                "tpf": len(tokens) / max(run.decode_forwards, 1), "tokens": tokens, "completion": text,
-                "exact": tokens == reference, "first_divergence": first_divergence(tokens, reference),
-                "correct": score.correct, "verdict": score.verdict, "detail": score.detail[:500],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "benchmark": problem.benchmark,
+                    "problem_id": problem.id,
+                    "model": label,
+                    "method": method,
+                    "prompt_tokens": len(prompts[label]),
+                    "new_tokens": len(tokens),
+                    "decode_forwards": run.decode_forwards,
+                    "prefill_seconds": run.prefill_seconds,
+                    "decode_seconds": run.decode_seconds,
+                    "forward_seconds": run.forward_seconds,
+                    "tpf": len(tokens) / max(run.decode_forwards, 1),
+                    "tokens": tokens,
+                    "completion": text,
+                    "exact": tokens == reference,
+                    "first_divergence": first_divergence(tokens, reference),
+                    "correct": score.correct,
+                    "verdict": score.verdict,
+                    "detail": score.detail[:500],
+                }
+            )
         return rows

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from typing_extensions import Self
+
 from jfcore.eval.isolation import ENVIRONMENT, IsolationUnavailable, require_isolation, sandbox_command
 
 SERVER = Path(__file__).with_name("sandbox_server.py")
@@ -98,10 +100,29 @@ class PlainData(pickle.Unpickler):
     """Unpickles answers from the sandbox: builtin values only, never a class or function of its choosing."""
 
     # Builtin and standard-library value types: the program cannot change how they compare here.
-    ALLOWED = {("builtins", n) for n in ("complex", "set", "frozenset", "bytearray", "range", "slice", "int", "float",
-                                         "str", "bytes", "list", "dict", "tuple", "bool")} | {
-        ("collections", n) for n in ("Counter", "OrderedDict", "defaultdict", "deque")
-    } | {("fractions", "Fraction"), ("decimal", "Decimal")}  # fmt: skip
+    ALLOWED = (
+        {
+            ("builtins", n)
+            for n in (
+                "complex",
+                "set",
+                "frozenset",
+                "bytearray",
+                "range",
+                "slice",
+                "int",
+                "float",
+                "str",
+                "bytes",
+                "list",
+                "dict",
+                "tuple",
+                "bool",
+            )
+        }
+        | {("collections", n) for n in ("Counter", "OrderedDict", "defaultdict", "deque")}
+        | {("fractions", "Fraction"), ("decimal", "Decimal")}
+    )
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.ALLOWED:
@@ -112,8 +133,9 @@ class PlainData(pickle.Unpickler):
 class Sandbox:
     """One loaded program; `call(name, *args)` runs one of its functions in the sandbox."""
 
-    def __init__(self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None,
-                 isolated: bool = True):  # fmt: skip
+    def __init__(
+        self, program: str, module: str, after: str = "", limits: SandboxLimits | None = None, isolated: bool = True
+    ):
         self.limits = limits or SandboxLimits()
         self.deadline = time.monotonic() + self.limits.wall_backstop_s
         self.seq = 0
@@ -125,16 +147,27 @@ class Sandbox:
         else:
             self.folder = tempfile.mkdtemp(prefix="jf-sandbox-")
             self.process = subprocess.Popen(
-                [sys.executable, "-I", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, cwd=self.folder, env=ENVIRONMENT | {"HOME": self.folder},
-                start_new_session=True, close_fds=True,
-            )  # fmt: skip
+                [sys.executable, "-I", str(SERVER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=self.folder,
+                env=ENVIRONMENT | {"HOME": self.folder},
+                start_new_session=True,
+                close_fds=True,
+            )
             self.pid = self.process.pid
         try:
             # soft = hard: SIGKILL at the budget (the isolated server is its namespace's pid 1, which ignores SIGXCPU)
             mb, cpu = 1 << 20, math.ceil(self.limits.cpu_s)
-            limits = {"RLIMIT_CPU": cpu, "RLIMIT_AS": self.limits.memory_mb * mb, "RLIMIT_FSIZE": self.limits.file_mb * mb,
-                      "RLIMIT_NOFILE": self.limits.open_files, "RLIMIT_NPROC": self.limits.processes, "RLIMIT_CORE": 0}  # fmt: skip
+            limits = {
+                "RLIMIT_CPU": cpu,
+                "RLIMIT_AS": self.limits.memory_mb * mb,
+                "RLIMIT_FSIZE": self.limits.file_mb * mb,
+                "RLIMIT_NOFILE": self.limits.open_files,
+                "RLIMIT_NPROC": self.limits.processes,
+                "RLIMIT_CORE": 0,
+            }
             self._send({"module": module, "program": program, "after": after, "limits": limits})
             answer = self._receive(0)
             if answer[1] == "load_error":
@@ -149,9 +182,13 @@ class Sandbox:
         try:
             self.process = subprocess.Popen(
                 sandbox_command(str(SERVER), tmpfs_mb=self.limits.disk_mb, info_fd=info_write),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENVIRONMENT,
-                start_new_session=True, pass_fds=(info_write,),
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=ENVIRONMENT,
+                start_new_session=True,
+                pass_fds=(info_write,),
+            )
         except OSError as err:
             os.close(info)
             raise SandboxUnavailable(f"bwrap could not be started: {err}") from err
@@ -179,7 +216,11 @@ class Sandbox:
                 return int(json.loads(data)["child-pid"])
             if not chunk:
                 break
-        error = self.process.stderr.read().decode(errors="replace").strip()[-300:] if self.process.poll() is not None else ""
+        error = (
+            self.process.stderr.read().decode(errors="replace").strip()[-300:]
+            if self.process.poll() is not None
+            else ""
+        )
         raise SandboxUnavailable(f"the sandbox did not start (bwrap: {error or 'no answer'})")
 
     def call(self, name: str, *args, **kwargs):
@@ -287,7 +328,7 @@ class Sandbox:
         if self.folder:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -323,8 +364,16 @@ def defined_functions(program: str) -> list[str]:
     return re.findall(r"^(?:async\s+)?def\s+(\w+)\s*\(", program, flags=re.MULTILINE)
 
 
-def judge(program: str, tests: str, *, context: str = "", after: str = "", entry_points: list[str] | None = None,
-          limits: SandboxLimits | None = None, isolated: bool = True) -> Verdict:  # fmt: skip
+def judge(
+    program: str,
+    tests: str,
+    *,
+    context: str = "",
+    after: str = "",
+    entry_points: list[str] | None = None,
+    limits: SandboxLimits | None = None,
+    isolated: bool = True,
+) -> Verdict:
     """Run `tests` here against `program` loaded in a sandbox.
 
     `context` is trusted code run here before the tests (a HumanEval prompt's helpers,

@@ -25,17 +25,49 @@ import struct
 import sys
 
 DENIED_EVENTS = {
-    "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.startfile",
-    "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__", "socket.connect",
-    "socket.bind", "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.addressof",
-    "sys._current_frames", "os.setuid", "os.setgid", "os.chroot", "resource.setrlimit", "resource.prlimit",
-}  # fmt: skip
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.system",
+    "os.startfile",
+    "subprocess.Popen",
+    "os.kill",
+    "os.killpg",
+    "signal.pthread_kill",
+    "socket.__new__",
+    "socket.connect",
+    "socket.bind",
+    "socket.getaddrinfo",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.cdata",
+    "ctypes.addressof",
+    "sys._current_frames",
+    "os.setuid",
+    "os.setgid",
+    "os.chroot",
+    "resource.setrlimit",
+    "resource.prlimit",
+}
 DENIED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess", "socket", "_socket", "multiprocessing", "pty"}
 PATH_EVENTS = {  # event -> indices of path arguments that must stay inside the working folder
-    "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.chmod": (0,),
-    "os.chown": (0,), "os.symlink": (1,), "os.link": (1,), "os.truncate": (0,), "os.utime": (0,),
-    "shutil.rmtree": (0,), "shutil.copyfile": (1,), "shutil.copytree": (1,), "shutil.move": (1,),
-}  # fmt: skip
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.rename": (0, 1),
+    "os.mkdir": (0,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.symlink": (1,),
+    "os.link": (1,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "shutil.rmtree": (0,),
+    "shutil.copyfile": (1,),
+    "shutil.copytree": (1,),
+    "shutil.move": (1,),
+}
 REFERENCE = "__jf_sandbox_reference__"  # (REFERENCE, name): an argument that is a global of the program's module
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -97,7 +129,9 @@ def main() -> None:
         os.dup2(null, fd)
     setup = read_message(requests)
     for name, value in setup["limits"].items():  # set here, not in a preexec_fn: the parent may have threads
-        resource.setrlimit(getattr(resource, name), tuple(value) if isinstance(value, (tuple, list)) else (value, value))
+        resource.setrlimit(
+            getattr(resource, name), tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+        )
     module = type(sys)(setup["module"])
     install_guard(os.getcwd())
     try:
@@ -112,8 +146,9 @@ def main() -> None:
         seq, name, args, kwargs = request
         try:
             function = module.__dict__[name]
-            args = [module.__dict__[a[1]] if isinstance(a, tuple) and len(a) == 2 and a[0] == REFERENCE else a
-                    for a in args]  # fmt: skip
+            args = [
+                module.__dict__[a[1]] if isinstance(a, tuple) and len(a) == 2 and a[0] == REFERENCE else a for a in args
+            ]
             write_message(answers, (seq, "ok", function(*args, **kwargs)))
         except BaseException as err:  # noqa: BLE001
             write_message(answers, (seq, "error", type(err).__name__, str(err)[:500]))

@@ -5,6 +5,18 @@ from jfcore.training.losses import Losses, ar_loss, consistency_loss, jacobi_for
 from jfcore.training.mask import allowed, attention_mask, block_mask, dense_mask
 
 __all__ = [
-    "CLEAN", "NOISY", "PAD", "PROMPT", "Losses", "PackedBatch", "allowed", "ar_loss", "attention_mask",
-    "block_mask", "collate", "consistency_loss", "dense_mask", "jacobi_forcing_loss",
-]  # fmt: skip
+    "CLEAN",
+    "NOISY",
+    "PAD",
+    "PROMPT",
+    "Losses",
+    "PackedBatch",
+    "allowed",
+    "ar_loss",
+    "attention_mask",
+    "block_mask",
+    "collate",
+    "consistency_loss",
+    "dense_mask",
+    "jacobi_forcing_loss",
+]

@@ -30,20 +30,30 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     checkpoint_every: int = 50  # optimizer steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # older checkpoints are deleted
-    export_steps: tuple[int, ...] = ()  # also export a plain checkpoint to exports/step-N/ at these steps (learning curves)
+    export_steps: tuple[
+        int, ...
+    ] = ()  # also export a plain checkpoint to exports/step-N/ at these steps (learning curves)
     resume: bool = True  # continue from the newest complete checkpoint in output_dir; false discards them
     seed: int = 0
 
     def __post_init__(self) -> None:
         check(bool(self.data), "TrainConfig.data: name the packing output folder")
         check(bool(self.output_dir), "TrainConfig.output_dir: must not be empty")
-        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "checkpoint_every",
-                     "keep_checkpoints"):  # fmt: skip
+        for name in (
+            "epochs",
+            "micro_batch_size",
+            "gradient_accumulation_steps",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             check(getattr(self, name) >= 1, f"TrainConfig.{name}: must be >= 1, got {getattr(self, name)}")
         check(
             self.max_steps is None or self.max_steps >= 1, f"TrainConfig.max_steps: must be >= 1, got {self.max_steps}"
         )
-        check(all(step >= 1 for step in self.export_steps), f"TrainConfig.export_steps: must be >= 1, got {self.export_steps}")
+        check(
+            all(step >= 1 for step in self.export_steps),
+            f"TrainConfig.export_steps: must be >= 1, got {self.export_steps}",
+        )
         check(self.learning_rate > 0, f"TrainConfig.learning_rate: must be > 0, got {self.learning_rate}")
         check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),

@@ -47,8 +47,10 @@ class PackedData:
             except (OSError, pa.ArrowException) as err:
                 raise TrainingDataError(f"{folder / name}: unreadable packed shard ({err}); rerun packing") from err
         if len(self.rows) != stats["sequences"]:
-            raise TrainingDataError(f"{folder}: stats.json counts {stats['sequences']} sequences but the shards "
-                                    f"hold {len(self.rows)}; rerun packing")  # fmt: skip
+            raise TrainingDataError(
+                f"{folder}: stats.json counts {stats['sequences']} sequences but the shards "
+                f"hold {len(self.rows)}; rerun packing"
+            )
         self.block_size = self.rows[0]["block_size"] if self.rows else None
         self.fingerprint = hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest()[:16]
 

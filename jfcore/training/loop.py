@@ -42,8 +42,16 @@ DEEPSPEED_CONFIG = "deepspeed_config.json"
 FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopped
 COMPLETE = "jf_complete.json"  # written into a checkpoint folder once every rank has saved it
 # Keys the training config owns; a DeepSpeed file may not set them to something else.
-OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-              "gradient_clipping", "optimizer", "scheduler", "bf16", "fp16")  # fmt: skip
+OWNED_KEYS = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+    "bf16",
+    "fp16",
+)
 
 
 class ResumeError(RuntimeError):
@@ -120,17 +128,23 @@ def train(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.betas,
-                                  weight_decay=config.weight_decay)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+    )
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(config.warmup_ratio * total), total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
 
     out = Path(config.output_dir)
     checkpoints = out / CHECKPOINTS
-    schedule = {"world_size": world, "data": data.fingerprint, "total_steps": total,
-                "micro_batch_size": config.micro_batch_size, "seed": config.seed,
-                "gradient_accumulation_steps": config.gradient_accumulation_steps}  # fmt: skip
+    schedule = {
+        "world_size": world,
+        "data": data.fingerprint,
+        "total_steps": total,
+        "micro_batch_size": config.micro_batch_size,
+        "seed": config.seed,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+    }
     if not config.resume and rank == 0:  # starting over: older checkpoints would outrank the new ones
         for stale in (checkpoints, out / FINAL):
             shutil.rmtree(stale, ignore_errors=True)
@@ -152,8 +166,9 @@ def train(
             rows = [data.rows[i] for i in order.rows(step, micro, rank)]
             batch = collate(rows, tokenizer.pad_token_id, tokenizer.eos_token_id).to(device)
             mask = attention_mask(batch.streams, attn, torch.bfloat16 if bf16 else torch.float32)
-            logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
-                            use_cache=False).logits  # fmt: skip
+            logits = engine(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+            ).logits
             losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature)
             engine.backward(losses.total)
             if micro == config.gradient_accumulation_steps - 1:
@@ -169,10 +184,14 @@ def train(
         grad_norm = engine.get_global_grad_norm()
         grad_norm = own_norm if grad_norm is None else grad_norm
         metrics = {
-            "loss": parts[0].item(), "ar_loss": parts[1].item(), "consistency_loss": parts[2].item(),
-            "learning_rate": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "tokens_per_second": sums[3].item() / (time.perf_counter() - began), "tokens": int(sums[3].item()),
-        }  # fmt: skip
+            "loss": parts[0].item(),
+            "ar_loss": parts[1].item(),
+            "consistency_loss": parts[2].item(),
+            "learning_rate": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens_per_second": sums[3].item() / (time.perf_counter() - began),
+            "tokens": int(sums[3].item()),
+        }
         if rank == 0:
             with open(out / METRICS, "a") as f:
                 f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
@@ -209,9 +228,12 @@ class _Progress:
             return
         self.last = now
         eta = (now - self.began) / (step - self.start) * (self.total - step)
-        print(f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
-              f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
-              f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {eta / 60:.1f} min", flush=True)  # fmt: skip
+        print(
+            f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
+            f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
+            f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {eta / 60:.1f} min",
+            flush=True,
+        )
 
 
 def _plain_grad_norm(engine) -> float | None:
@@ -299,8 +321,9 @@ def _save(engine, folder: Path, step: int, schedule: dict, keep: int) -> None:
     # writes into it before save_checkpoint's first barrier, so rank 0 removing it here is in time.
     if dist.get_rank() == 0:
         (folder / tag / COMPLETE).unlink(missing_ok=True)
-    engine.save_checkpoint(str(folder), tag=tag, client_state={"step": step, "schedule": schedule,
-                                                              "rng": torch.get_rng_state()})  # fmt: skip
+    engine.save_checkpoint(
+        str(folder), tag=tag, client_state={"step": step, "schedule": schedule, "rng": torch.get_rng_state()}
+    )
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: each node flushes its own page cache
         fsync_tree(folder / tag)
         fsync_dir(folder)
@@ -337,8 +360,10 @@ def read_metrics(path: Path) -> list[dict]:
                     f"{path} line {number} is not a JSON record ({err}): {line[:80]!r}. Only a last line can be "
                     "torn by a crash, so the file was changed by hand or the disk is failing; delete that line"
                 ) from err
-            print(f"warning: {path} line {number} is torn (a crash while writing it): {line[:80]!r}; dropping it",
-                  flush=True)  # fmt: skip
+            print(
+                f"warning: {path} line {number} is torn (a crash while writing it): {line[:80]!r}; dropping it",
+                flush=True,
+            )
     return records
 
 

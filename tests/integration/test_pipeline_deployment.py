@@ -1,0 +1,196 @@
+"""`prefect deployment run jacobi-forcing/full` on the local stack (real Prefect server and process worker,
+real MLflow server), with a tiny model: real Ray trajectories, Parquet, DeepSpeed training, evaluation and
+the registry. The first flow run is cancelled during training; the second reuses the data stages' outputs and
+resumes training from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from jfcore.hostspeed import scaled
+from tests.support.flow_stack import REPO, prefect, start_run, start_stack, state_of, stop_stack, wait_for
+from tests.support.tiny_models import save_tiny_checkpoint
+
+STEPS = 600  # 12 sequences, 2 processes x micro batch 2: 3 steps an epoch; long enough to be cancelled midway
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("pipeline"))
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def recipe(stack) -> Path:
+    root = stack["root"]
+    model = save_tiny_checkpoint(root / "base", initializer_range=0.3)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(f"w{(7 * i + j) % 120 + 3}" for j in range(3 + i % 5))}) + "\n"
+            for i in range(12)
+        )
+    )
+    path = root / "recipe.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "work_dir": str(root / "work"),
+                "model": {"name_or_path": str(model)},
+                "prompts": {"path": str(prompts), "chat_template": False},
+                "trajectory": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
+                "prompts_per_shard": 4,
+                "ray": {"num_workers": 2},
+                "train": {
+                    "max_steps": STEPS,
+                    "epochs": 200,
+                    "micro_batch_size": 2,
+                    "learning_rate": 2.0e-3,
+                    "checkpoint_every": 25,
+                },
+                "launch": {"processes": 2, "threads_per_process": 1},
+                "evaluation": {
+                    "benchmarks": [{"name": "gsm8k", "limit": 2, "seed": 0}, {"name": "humaneval", "limit": 1}],
+                    "decoding": {"max_new_tokens": 16, "block_size": 4, "warmup_tokens": 2},
+                },
+                "tracking": {"uri": stack["mlflow"], "registered_model": "jf-pipeline-tiny"},
+            }
+        )
+    )
+    return path
+
+
+def task_states(stack, flow_run_id: str) -> dict[str, str]:
+    """Task name (without its run suffix) -> final state name, from the Prefect API."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with SyncPrefectClient(api=stack["env"]["PREFECT_API_URL"]) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(flow_run_id)])))
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+@pytest.fixture(scope="module")
+def two_runs(stack, recipe):
+    train = stack["root"] / "work" / "train"
+    first = start_run(stack, recipe)
+    wait_for(lambda: any(train.glob("*/checkpoints/step-*/jf_complete.json")), 600, "a complete training checkpoint")
+    prefect(stack, "flow-run", "cancel", first)
+    wait_for(lambda: state_of(stack, first) in ("CANCELLED", "FAILED", "CRASHED"), 120, "the cancelled flow run")
+    wait_for(lambda: not _training_processes(stack["root"]), 60, "the training processes to go")
+    kept = sorted(p.parent.name for p in train.glob("*/checkpoints/step-*/jf_complete.json"))
+    second = start_run(stack, recipe)
+    prefect(stack, "flow-run", "watch", second, timeout=900)
+    return {"first": first, "second": second, "kept": kept, "logs": prefect(stack, "flow-run", "logs", second)}
+
+
+def _training_processes(root: Path) -> list[str]:
+    """This test's training processes (their launch file is under `root`; other training may run beside it)."""
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in ps.splitlines() if "tasks.train_worker" in line and str(root) in line]
+
+
+def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
+    assert state_of(stack, two_runs["first"]) == "CANCELLED"
+    assert state_of(stack, two_runs["second"]) == "COMPLETED"
+    logs = two_runs["logs"]
+    states = task_states(stack, two_runs["second"])
+    assert "12 already decoded with this model and settings (reused), 0 to decode" in logs
+    assert "packing: reused" in logs and "pack-trajectories" not in states
+    assert states["generate-trajectories"] == states["train"] == states["evaluate"] == "Completed"
+    step = int(two_runs["kept"][-1].removeprefix("step-"))
+    assert f"resumed from step {step} " in logs  # the training loop's own line, after loading the checkpoint
+    assert step < STEPS  # it was cancelled before the end
+
+
+def test_parquet_outputs(stack, two_runs):
+    work = stack["root"] / "work"
+    [store] = [p.parent for p in (work / "trajectories").glob("*/manifest.json")]
+    manifest = json.loads((store / "manifest.json").read_text())
+    [selection] = [json.loads(p.read_text()) for p in (store / "sets").glob("*.json")]
+    assert selection["num_prompts"] == 12 and len(manifest["shards"]) == 3 == len(selection["shards"])
+    rows = [r for f in sorted(store.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len({r["prompt_id"] for r in rows}) == 12
+    [packed] = list((work / "packed").iterdir())
+    stats = json.loads((packed / "stats.json").read_text())
+    assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
+    [report] = list((work / "eval").glob("*/report"))
+    samples = pq.read_table(report / "samples.parquet").to_pylist()
+    assert len(samples) == 3 * 2 * 3 and all(s["exact"] for s in samples)
+    assert (work / "train" / "latest" / "final" / "config.json").is_file()
+
+
+def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
+    from mlflow import MlflowClient
+
+    mlflow = MlflowClient(stack["mlflow"])
+    experiment = mlflow.get_experiment_by_name("jacobi-forcing")
+    runs = mlflow.search_runs([experiment.experiment_id])
+    [parent] = [r for r in runs if r.data.tags.get("jacobi_forcing.flow_run_id") == two_runs["second"]]
+    assert (
+        parent.info.status == "FINISHED" and "| gsm8k | trained | jacobi |" in parent.data.tags["mlflow.note.content"]
+    )
+    assert parent.data.params["recipe.trajectory.block_size"] == "4"
+    nested = {
+        r.data.tags["jacobi_forcing.stage"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    assert {"trajectories", "packing", "evaluate"} <= set(nested)
+    assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
+    assert nested["packing"].data.metrics["sequences"] == 12
+    [selection] = mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")
+    assert re.fullmatch(r"trajectories/[0-9a-f]{16}\.json", selection.path)  # the prompt set's selection file
+    assert nested["trajectories"].data.metrics["reused_prompts"] == 12
+    # Training began under the cancelled flow run's parent and resumed into the same run.
+    [train] = [r for r in runs if r.data.tags.get("jacobi_forcing.stage") == "train"]
+    assert train.info.status == "FINISHED" and train.data.metrics["loss"] > 0
+    assert {m.step for m in mlflow.get_metric_history(train.info.run_id, "loss")} == set(range(1, STEPS + 1))
+    # The new version is the challenger; the log says whether it passed the gate, and the aliases agree.
+    aliases = mlflow.get_registered_model("jf-pipeline-tiny").aliases
+    promoted = "gate: v1 promoted to champion" in two_runs["logs"]
+    assert promoted or "gate: v1 stays challenger" in two_runs["logs"]
+    assert aliases == ({"challenger": "1", "champion": "1"} if promoted else {"challenger": "1"})
+    version = mlflow.get_model_version("jf-pipeline-tiny", "1")
+    assert version.tags["jacobi_forcing.eval.method"] == "multiblock"
+    assert version.tags["jacobi_forcing.gate.decision"] == ("promoted" if promoted else "rejected")
+    assert "of the base model (greedy)" in version.tags["jacobi_forcing.gate.reason"]
+
+
+def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs):
+    deployment = json.loads(prefect(stack, "deployment", "inspect", "jacobi-forcing/retrain", "--output", "json"))
+    [schedule] = deployment["schedules"]
+    assert schedule["schedule"]["cron"] == "0 3 * * 0" and schedule["schedule"]["timezone"] == "UTC"
+    assert schedule["active"]
+    assert deployment["global_concurrency_limit"]["limit"] == 1
+    assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    names = {
+        json.loads(prefect(stack, "deployment", "inspect", f"jacobi-forcing/{n}", "--output", "json"))["name"]
+        for n in ("full", "evaluate")
+    }
+    assert names == {"full", "evaluate"}
+
+
+def test_results_table_is_a_prefect_artifact(stack, two_runs):
+    out = subprocess.run(
+        [sys.executable, "infra/stack.py", "results"],
+        env=stack["env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=scaled(120),
+    ).stdout
+    assert "| gsm8k | trained | multiblock |" in out and "outputs identical (every one)" in out
+    assert f"MLflow UI: {stack['mlflow']}" in out

@@ -1,0 +1,84 @@
+"""The local stack (infra/stack.py: Prefect server and process worker, MLflow server) for flow-level tests,
+and the `prefect` commands a user types against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jfcore.hostspeed import scaled
+from tests.support import REPO
+from tests.support.servers import free_port
+
+
+def start_stack(root: Path) -> dict:
+    """`infra/stack.py up` with its state under `root`; `stop_stack` takes it down."""
+    env = dict(
+        os.environ, JF_STACK_DIR=str(root / "stack"), JF_PREFECT_PORT=str(free_port()), JF_MLFLOW_PORT=str(free_port())
+    )
+    env.pop("PREFECT_HOME", None)  # the stack's own, not the test session's throwaway one
+    exports = subprocess.run(
+        [sys.executable, "infra/stack.py", "env"], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    env |= dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
+    stack = {"root": root, "env": env, "mlflow": env["MLFLOW_TRACKING_URI"]}
+    try:
+        subprocess.run([sys.executable, "infra/stack.py", "up"], env=env, cwd=REPO, check=True, timeout=scaled(300))
+    except BaseException:
+        stop_stack(stack)
+        raise
+    return stack
+
+
+def stop_stack(stack: dict) -> None:
+    subprocess.run(
+        [sys.executable, "infra/stack.py", "down"], env=stack["env"], cwd=REPO, check=False, timeout=scaled(120)
+    )
+
+
+def prefect(stack, *args: str, timeout: float = 600) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        env=stack["env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(timeout),
+        check=False,
+    )
+    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout if "--output" in args else done.stdout + done.stderr  # logs may come on either
+
+
+def start_run(stack, recipe: Path, deployment: str = "full", **params: object) -> str:
+    extra = [a for k, v in params.items() for a in ("--param", f"{k}={json.dumps(v)}")]
+    out = prefect(stack, "deployment", "run", f"jacobi-forcing/{deployment}", "--param", f"recipe={recipe}", *extra)
+    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+
+
+def state_of(stack, flow_run_id: str) -> str:
+    return json.loads(prefect(stack, "flow-run", "inspect", flow_run_id, "--output", "json"))["state_type"]
+
+
+def finish(stack, flow_run_id: str, timeout: float = 900) -> str:
+    """Wait for the flow run to end; returns its log (and fails with it unless it completed)."""
+    wait_for(
+        lambda: state_of(stack, flow_run_id) in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
+        timeout,
+        f"flow run {flow_run_id}",
+    )
+    logs = prefect(stack, "flow-run", "logs", flow_run_id)
+    assert state_of(stack, flow_run_id) == "COMPLETED", logs[-6000:]
+    return logs
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + scaled(timeout)
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)

@@ -1,0 +1,104 @@
+"""The decoding benchmark (bench/decode_bench.py) and the jf-decode CLI, end to end on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import decode_bench
+from jfcore import cli
+from jfcore.decoding.reference import first_divergence
+from tests.support.tiny_models import save_tiny_checkpoint
+
+PROJECT_METHODS = ("ar", "jacobi_n4", "jacobi_n8", "multiblock_n4")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A random 2-layer Llama with a word-level tokenizer (words w0..w124)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "toy.jsonl"
+    path.write_text('{"q": "w1 w2 w3 w4 w5 w1 w2"}\n{"q": "w9 w8 w7 w9 w8"}\n')
+    return path
+
+
+def test_bench_writes_every_method_and_project_methods_are_exact(tiny, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    args = [
+        "--model",
+        str(tiny),
+        "--prompts",
+        str(prompts_file),
+        "--field",
+        "q",
+        "--max-new-tokens",
+        "12",
+        "--block-sizes",
+        "4,8",
+        "--multiblock-size",
+        "4",
+        "--warmup-tokens",
+        "2",
+        "--out",
+        str(out),
+    ]
+    assert decode_bench.main(args) == 0
+    result = json.loads(out.read_text())
+
+    agg = result["aggregates"]
+    lengths = [n for b in result["batches"] for n in b["methods"]["hf_greedy"]["new_tokens"]]
+    assert set(agg) == {"hf_greedy", *PROJECT_METHODS, "hf_prompt_lookup"} == set(result["methods"])
+    for name in PROJECT_METHODS:
+        assert agg[name]["exact"] == 1.0, name  # lossless in float32
+        assert agg[name]["first_divergence_min"] == min(lengths)  # equal outputs diverge at their length
+    assert agg["hf_greedy"]["speedup"] == pytest.approx(1.0)
+    # AR: the prefill gives the first token, then one token per forward.
+    assert agg["ar"]["decode_forwards"] == agg["ar"]["new_tokens"] - agg["ar"]["prompts"]
+    assert 1.0 < agg["ar"]["tpf"] < 1.2
+    assert agg["hf_greedy"]["decode_forwards"] == agg["ar"]["decode_forwards"]
+    assert len(result["batches"]) == 2 and result["environment"]["torch"] == torch.__version__
+    assert result["settings"]["block_sizes"] == [4, 8]
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_cli_compare_reports_identical_tokens(tiny, capsys):
+    code = cli.main(
+        [
+            "--model",
+            str(tiny),
+            "--prompt",
+            "w1 w2 w3",
+            "w4 w5 w4 w5",
+            "--max-new-tokens",
+            "10",
+            "--block-size",
+            "4",
+            "--method",
+            "multiblock",
+            "--compare",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "[2/2] prompt 2: w4 w5 w4 w5" in out
+    assert out.count("HF greedy generate: identical tokens") == 2
+    assert "2/2 identical" in out and "TPF" in out
+
+
+def test_cli_errors_are_clear(tiny, prompts_file, capsys):
+    assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file.with_name("missing.jsonl"))]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file), "--field", "question"]) == 2
+    assert "no field 'question' (fields: q)" in capsys.readouterr().err

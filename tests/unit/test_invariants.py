@@ -1,0 +1,187 @@
+"""Decoder invariants: every forward commits >= 1 token, the cache holds exactly the
+committed text, and recorded trajectories obey the trajectory rules of docs/DESIGN.md, section 3."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jfcore.decoding import DecodeConfig, StepEvent, decode
+from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.slots import SlotBatch
+from tests.support.tiny_models import greedy_reference, position_model, tiny_model
+
+PROMPTS = [[7, 3, 9, 1, 4, 4, 2], [5], [11, 12, 13], [60, 2, 2, 8, 9, 1, 33, 71, 5, 5, 19]]
+
+
+def first_mismatch(state: list[int], fixed: list[int]) -> int:
+    return next((i for i, (s, f) in enumerate(zip(state, fixed)) if s != f), len(fixed))
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gpt2", "position"])
+@pytest.mark.parametrize("method,block_size", [("ar", 1), ("jacobi", 4), ("jacobi", 16), ("multiblock", 8)])
+def test_each_forward_commits_and_cache_matches(model_name, method, block_size):
+    m = position_model() if model_name == "position" else tiny_model(model_name)
+    events: list[StepEvent] = []
+    config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=60)
+    out = decode(m, PROMPTS, config, eos_token_id=[], pad_token_id=0, on_step=events.append)
+    assert events and all(a >= 1 for e in events for a in e.accepted)
+    for e in events:
+        assert e.cache_tokens == e.committed  # prompt + committed tokens, nothing else
+    # Each row's forwards commit its whole output, except at most the last token, which
+    # the last forward's logits give and which is emitted without another forward.
+    per_row = {}
+    for e in events:
+        for row, a in zip(e.rows, e.accepted):
+            per_row[row] = per_row.get(row, 0) + a
+    for row, sequence in enumerate(out.sequences):
+        assert len(sequence) - 1 <= per_row[row] <= len(sequence)
+    assert out.stats.decode_forwards == sum(len(e.rows) for e in events)
+    assert out.stats.tpf == pytest.approx(sum(map(len, out.sequences)) / out.stats.decode_forwards)
+
+
+@pytest.mark.parametrize("model_name", ["qwen2", "position"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_trajectories(model_name, block_size):
+    m = position_model() if model_name == "position" else tiny_model(model_name)
+    eos = greedy_reference(m, PROMPTS[0], 70)[41]
+    config = DecodeConfig(block_size=block_size, max_new_tokens=70, record_trajectories=True)
+    out = decode(m, PROMPTS, config, eos_token_id=eos, pad_token_id=0)
+    assert out.trajectories is not None
+    for prompt, sequence, blocks in zip(PROMPTS, out.sequences, out.trajectories):
+        # Blocks tile the output, each a full block except possibly the last.
+        assert [t for b in blocks for t in b.fixed_point] == sequence
+        assert all(len(b.fixed_point) == block_size for b in blocks[:-1])
+        assert [b.start for b in blocks] == [sum(len(x.fixed_point) for x in blocks[:i]) for i in range(len(blocks))]
+        for block in blocks:
+            fixed = block.fixed_point
+            assert all(len(s) == len(fixed) and s[0] == fixed[0] for s in block.states)
+            mismatches = [first_mismatch(s, fixed) for s in block.states]
+            assert mismatches == sorted(mismatches) and mismatches[-1] == len(fixed)
+        # The fixed point is the AR continuation of its context (checked with generate for a few blocks).
+        for block in blocks[:: max(1, len(blocks) // 3)]:
+            context = prompt + sequence[: block.start]
+            assert greedy_reference(m, context, len(block.fixed_point)) == block.fixed_point
+
+
+def test_untrained_jacobi_states_really_iterate():
+    """On a model whose drafts converge in one update, a block takes two states."""
+    out = decode(
+        position_model(),
+        [[3, 4]],
+        DecodeConfig(block_size=8, max_new_tokens=32, record_trajectories=True),
+        eos_token_id=[],
+    )
+    assert [len(b.states) for b in out.trajectories[0]] == [2, 2, 2, 2]
+
+
+def test_cache_compaction_keeps_attention_exact():
+    """Holes squeezed out of the cache change nothing the model sees."""
+    m = tiny_model("llama")
+    prompts = [[1, 2, 3, 4], [9]]
+
+    def run(compact: bool) -> torch.Tensor:
+        batch = SlotBatch(m, len(prompts), compact=compact)
+        tokens = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 9]])
+        valid = tokens != 0
+        with torch.no_grad():
+            batch.forward(tokens, valid, (valid.long().cumsum(1) - 1).clamp(min=0))
+            batch.keep(valid)
+            for step in range(12):  # the rows take turns keeping 7 or 1 of 8 new tokens: holes in both
+                base = batch.lengths()
+                draft = (torch.arange(8)[None].expand(2, -1) + 10 * step) % 96
+                batch.forward(draft, torch.ones(2, 8, dtype=torch.bool), base[:, None] + torch.arange(8))
+                keep = torch.zeros(2, 8, dtype=torch.bool)
+                keep[step % 2, :7] = keep[1 - step % 2, :1] = True
+                batch.keep(keep)
+            slots = batch.num_slots
+            base = batch.lengths()
+            logits = batch.forward(torch.tensor([[5], [6]]), torch.ones(2, 1, dtype=torch.bool), base[:, None])
+        return logits, slots
+
+    compacted, compact_slots = run(True)
+    reference, full_slots = run(False)
+    assert compact_slots < full_slots
+    torch.testing.assert_close(compacted, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_ngram_pool_keeps_recent_distinct_continuations():
+    pool = NgramPool(size=2, ngram_size=3)
+    pool.add([1, 2, 3, 4])
+    pool.add([1, 5, 6])
+    pool.add([1, 2, 3])
+    assert pool.candidates(1, max_len=5) == [(2, 3), (5, 6)]
+    assert pool.candidates(2, max_len=1) == [(3,)]
+    assert pool.candidates(99, max_len=5) == []
+
+
+def test_stops_at_first_eos_and_max_new_tokens():
+    m = tiny_model("mistral")
+    ref = greedy_reference(m, [4, 5, 6], 40)
+    eos = ref[12]
+    first = ref.index(eos)
+    for config in [DecodeConfig(method="ar"), DecodeConfig(block_size=32), DecodeConfig(method="multiblock")]:
+        out = decode(m, [[4, 5, 6]], config, eos_token_id=eos, pad_token_id=0)
+        assert out.sequences == [ref[: first + 1]]
+    for max_new in [1, 2, 7]:
+        out = decode(m, [[4, 5, 6]], DecodeConfig(block_size=4, max_new_tokens=max_new), eos_token_id=[])
+        assert out.sequences == [ref[:max_new]]
+
+
+def test_stats_are_consistent():
+    out = decode(tiny_model("gpt2"), PROMPTS, DecodeConfig(method="ar", max_new_tokens=20), eos_token_id=[])
+    s = out.stats
+    assert s.new_tokens == 80 and s.decode_forwards == 4 * 19 and s.forward_calls == 19
+    assert 0 < s.forward_seconds <= s.decode_seconds and 0 <= s.overhead < 1
+    assert s.tps == pytest.approx(s.new_tokens / (s.prefill_seconds + s.decode_seconds))
+    assert set(s.as_dict()) >= {"tpf", "tps", "decode_tps", "overhead", "new_tokens", "decode_forwards"}
+
+
+def test_promoted_block_keeps_its_progress():
+    """When acceptance runs past block 0 into block 1, block 1 is promoted with its verified
+    tokens committed and the rest of its draft updated, not restarted from filler."""
+    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+
+    config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100)
+    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
+    row = _Row(0, [1, 2, 3], out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
+    # The model confirms 11 and 12 (crossing into block 1) and rejects 13, predicting 40 instead.
+    predictions = [11, 12, 40, 50, 51, 52]
+    kept = decoder._verify(row, predictions, cands=[])
+    assert kept == [0, 1, 2]
+    assert row.out == [8, 9, 10, 11, 12]
+    assert row.blocks == [[40, 50, 51]] and row.sizes == [4] and row.done == 1
+
+
+def test_pseudo_active_block_spawns_from_the_model_guess():
+    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+
+    config = DecodeConfig(
+        method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100, spawn_ratio=0.75
+    )
+    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
+    decoder.vocab_size = 96
+    row = _Row(0, [1, 2, 3], out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
+    # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
+    decoder._verify(row, [11, 12, 30, 77], cands=[])
+    assert row.out == [10, 11, 12]
+    assert row.blocks[0] == [30] and row.blocks[1][0] == 77 and len(row.blocks[1]) == 4
+
+
+def test_empty_prompts_are_refused():
+    m = tiny_model("llama")
+    for prompts in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="every prompt at least one token"):
+            decode(m, prompts, DecodeConfig(), eos_token_id=[])
+
+
+def test_trajectories_do_not_depend_on_the_batch():
+    """Drafts are seeded per prompt, so batching changes no recorded state (trajectories are training data)."""
+    m = tiny_model("gpt2")
+    config = DecodeConfig(block_size=6, max_new_tokens=30, record_trajectories=True, seed=3)
+    batched = decode(m, PROMPTS, config, eos_token_id=[]).trajectories
+    alone = [decode(m, [p], config, eos_token_id=[]).trajectories[0] for p in PROMPTS]
+    assert batched == alone
+    assert any(len(b.states) > 1 for blocks in alone for b in blocks)

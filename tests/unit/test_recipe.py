@@ -1,0 +1,110 @@
+"""The pipeline recipe: the shipped ones load, and a malformed one fails before any stage, naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.recipe import load_recipe
+from jfcore.config import ConfigError
+from tests.support import REPO
+
+GOOD = {"work_dir": "runs/x", "model": {"name_or_path": "smollm2-135m-instruct"}}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("pipeline_*.yaml")))
+def test_shipped_recipes_load(name):
+    recipe = load_recipe(REPO / "configs" / name)
+    assert recipe.train_config(recipe.stages()[-1], "packed").data == "packed"
+    assert set(recipe.eval_config("final").models) == {"base", "trained"}
+    if "7b_gpu" in name:  # the official curriculum: n = 16, then n = 32 from its model, window 16 throughout
+        assert [(s.trajectory.block_size, s.packing.window) for s in recipe.stages()] == [(16, 16), (32, 16)]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"trajectories": {}}, "recipe: unknown key 'trajectories' (did you mean 'trajectory'?)"),
+        ({"trajectory": {"block_size": -4}}, "recipe.trajectory: block_size must be >= 2"),
+        ({"trajectory": {"block_size": "16"}}, "recipe.trajectory.block_size: expected an integer, got '16'"),
+        ({"train": {"learning_rat": 1e-5}}, "train: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
+        ({"train": {"output_dir": "x"}}, "train.output_dir: set by the flow"),
+        ({"train": {"epochs": 0}}, "TrainConfig.epochs: must be >= 1"),
+        (
+            {"evaluation": {"benchmarks": [{"name": "gsm9k"}]}},
+            "recipe.evaluation.benchmarks[0].name: 'gsm9k' is not one",
+        ),
+        ({"gate": {"method": "hf_greedy"}}, "gate.method: 'hf_greedy' is not jacobi or multiblock"),
+        ({"schedule": {"cron": "every sunday"}}, "schedule.cron: 'every sunday' is not a 5-field cron expression"),
+        ({"launch": {"processes": 0}}, "LaunchConfig.processes: must be >= 1"),
+    ],
+)
+def test_malformed_recipes_name_the_key(change, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(GOOD | change)
+    assert message in str(err.value)
+
+
+def test_work_dir_is_required():
+    with pytest.raises(ConfigError, match="work_dir is required"):
+        load_recipe({"model": {"name_or_path": "m"}})
+
+
+def test_the_flow_refuses_a_missing_model_before_any_stage(tmp_path):
+    from flows.jacobi_forcing import jacobi_forcing
+
+    recipe = {"work_dir": str(tmp_path / "work"), "model": {"name_or_path": str(tmp_path / "no-such-model")}}
+    with pytest.raises(ConfigError, match=r"recipe model.name_or_path: model path '.*no-such-model' does not exist"):
+        jacobi_forcing(recipe)
+    assert not (tmp_path / "work").exists()  # no stage wrote anything
+    with pytest.raises(ConfigError, match=r"stages: unknown \['trian'\]"):
+        jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w2")}, stages=["trian"])
+
+
+def test_a_curriculum_chains_its_stages():
+    recipe = load_recipe(
+        GOOD
+        | {
+            "trajectory": {"max_new_tokens": 64},
+            "packing": {"window": 8},
+            "train": {"learning_rate": 1e-5, "epochs": 2},
+            "curriculum": [
+                {"name": "n16", "block_size": 16, "window": 16},
+                {"name": "n32", "block_size": 32, "prompts_limit": 10, "train": {"learning_rate": 5e-6}},
+            ],
+        }
+    )
+    first, second = recipe.stages()
+    root = Path("runs/x").resolve()
+    assert (first.folder, second.folder) == (root / "n16", root / "n32")
+    assert first.model.name_or_path == "smollm2-135m-instruct"
+    assert second.model.name_or_path == str(root / "n16" / "train" / "final") and second.model.gguf_file is None
+    assert (first.trajectory.block_size, second.trajectory.block_size) == (16, 32)
+    assert (first.packing.window, second.packing.window) == (16, 8)  # a stage without a window keeps the recipe's
+    assert (first.prompts.limit, second.prompts.limit) == (None, 10)
+    trains = [recipe.train_config(plan, "d") for plan in (first, second)]
+    assert [t.learning_rate for t in trains] == [1e-5, 5e-6] and [t.epochs for t in trains] == [2, 2]
+    assert trains[1].model.name_or_path == second.model.name_or_path and trains[1].model.dtype == "float32"
+    assert recipe.final_model() == str(root / "n32" / "train" / "final")
+    assert recipe.eval_config(recipe.final_model()).models["trained"].model.name_or_path == recipe.final_model()
+
+
+@pytest.mark.parametrize(
+    ("curriculum", "message"),
+    [
+        ([{"name": "a", "block_size": 16}, {"name": "a", "block_size": 32}], "stage names must differ"),
+        ([{"name": "a", "block_size": 1}], "block_size must be >= 2"),
+        (
+            [{"name": "a", "block_size": 16, "train": {"output_dir": "x"}}],
+            "curriculum[a].train.output_dir: set by the flow",
+        ),
+        ([{"name": "a", "block_size": 16, "train": {"lr": 1}}], "train (a): unknown key 'lr'"),
+        ([{"name": "a/b", "block_size": 16}], "must be a plain folder name"),
+        ([{"name": "a", "block_sise": 16}], "unknown key 'block_sise' (did you mean 'block_size'?)"),
+    ],
+)
+def test_a_malformed_curriculum_names_the_stage(curriculum, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(GOOD | {"curriculum": curriculum})
+    assert message in str(err.value)

@@ -1,0 +1,73 @@
+"""Training config strictness and the resumable data order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jfcore.config import ConfigError, from_dict
+from jfcore.training.config import TrainConfig
+from jfcore.training.data import DataOrder
+from jfcore.training.loop import deepspeed_config
+from tests.support import REPO
+
+
+def test_unknown_and_invalid_keys_are_named():
+    with pytest.raises(ConfigError, match="unknown key 'learning_rat'.*did you mean 'learning_rate'"):
+        from_dict(TrainConfig, {"data": "d", "output_dir": "o", "learning_rat": 1e-5})
+    with pytest.raises(ConfigError, match="train.model: unknown key 'nme'"):
+        from_dict(TrainConfig, {"data": "d", "output_dir": "o", "model": {"nme": "x"}}, "train")
+    with pytest.raises(ConfigError, match="missing required key.*data"):
+        from_dict(TrainConfig, {"output_dir": "o"})
+    for key, value, message in [
+        ("micro_batch_size", 0, "micro_batch_size"),
+        ("learning_rate", -1.0, "learning_rate"),
+        ("warmup_ratio", 1.5, "warmup_ratio"),
+        ("temperature", 0.0, "temperature"),
+        ("precision", "fp8", "precision"),
+        ("betas", [0.9], "betas"),
+        ("export_steps", [10, 0], "export_steps"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            from_dict(TrainConfig, {"data": "d", "output_dir": "o", key: value})
+
+
+def test_deepspeed_file_may_not_set_what_the_training_config_owns():
+    config = TrainConfig(data="d", output_dir="o", micro_batch_size=2, gradient_accumulation_steps=3)
+    merged = deepspeed_config({"zero_optimization": {"stage": 3}}, config, world_size=4, bf16=True)
+    assert merged["train_batch_size"] == 2 * 3 * 4 and merged["bf16"] == {"enabled": True}
+    assert merged["zero_optimization"] == {"stage": 3}
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        deepspeed_config({"gradient_clipping": 5.0}, config, world_size=1, bf16=False)
+
+
+def test_data_order_covers_each_epoch_once_and_splits_ranks():
+    order = DataOrder(num_rows=23, micro_batch=2, world_size=2, accumulation=2, seed=7)
+    assert order.global_batch == 8 and order.steps_per_epoch == 2  # 7 rows of each epoch are left over
+    for epoch in range(3):
+        seen = [
+            i for step in (2 * epoch, 2 * epoch + 1) for a in range(2) for r in range(2) for i in order.rows(step, a, r)
+        ]
+        assert len(seen) == 16 == len(set(seen))  # no row twice within an epoch, ranks disjoint
+    assert order.rows(0, 0, 0) != order.rows(2, 0, 0)  # each epoch is reshuffled
+    again = DataOrder(num_rows=23, micro_batch=2, world_size=2, accumulation=2, seed=7)
+    assert again.rows(5, 1, 1) == order.rows(5, 1, 1)  # a pure function of the step: resumable
+    assert DataOrder(23, 2, 2, 2, seed=8).rows(0, 0, 0) != order.rows(0, 0, 0)
+
+
+def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text("train: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.training", "--config", str(recipe)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {recipe}: unknown section(s) launh; use train, launch, tracking"
+    )

@@ -1,0 +1,104 @@
+"""The losses: what counts, what is ignored, and how it is reduced."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jfcore.training import collate, consistency_loss, jacobi_forcing_loss
+
+V, EOS, PADID = 11, 2, 0
+
+
+def row(prompt, blocks, mismatch, n):
+    """blocks: list of (noisy, clean) with equal valid lengths <= n."""
+    ids, pos, P = list(prompt), list(range(len(prompt))), len(prompt)
+    for j, (k, l) in enumerate(blocks):
+        pad = [PADID] * (n - len(l))
+        ids += k + pad + l + pad
+        pos += list(range(P + j * n, P + (j + 1) * n)) * 2
+    return {
+        "prompt_id": "p",
+        "input_ids": ids,
+        "position_ids": pos,
+        "prompt_length": P,
+        "block_size": n,
+        "num_blocks": len(blocks),
+        "first_mismatch": mismatch,
+        "valid_lengths": [len(l) for _, l in blocks],
+    }
+
+
+def leaf_logits(batch, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(*batch.input_ids.shape, V, requires_grad=True)
+
+
+def test_no_consistency_loss_when_noisy_equals_clean():
+    blocks = [([3, 4, 5], [3, 4, 5]), ([6, 7, 8], [6, 7, 8])]
+    batch = collate([row([1, 9], blocks, mismatch=[3, 3], n=3)], PADID, EOS)
+    logits = leaf_logits(batch)
+    loss = consistency_loss(logits, batch, temperature=1.0)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert logits.grad is None or not logits.grad.any()
+
+
+def test_only_offsets_from_the_first_mismatch_count_and_the_teacher_gets_no_gradient():
+    # block 0 differs from offset 1 on, block 1 from offset 2 on; n = 4, prompt of 2
+    blocks = [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])]
+    batch = collate([row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
+    logits = leaf_logits(batch)
+    consistency_loss(logits, batch, temperature=1.0).backward()
+    graded = logits.grad[0].abs().sum(-1).nonzero().flatten().tolist()
+    # k_0 occupies 2..5 (offsets 1..3 -> 3,4,5); k_1 occupies 10..13 (offsets 2..3 -> 12,13)
+    assert graded == [3, 4, 5, 12, 13]
+
+
+def test_reduction_is_mean_over_kept_pairs_then_over_blocks_then_over_rows():
+    r1 = row([1], [([3, 9], [3, 4]), ([5, 6], [5, 6])], mismatch=[1, 2], n=2)  # 1 kept pair, T = 2
+    r2 = row([1, 7, 8], [([9, 9], [4, 5])], mismatch=[0], n=2)  # 2 kept pairs, T = 1
+    batch = collate([r1, r2], PADID, EOS)
+    logits = leaf_logits(batch, seed=1)
+    tau = 2.0
+
+    def soft_ce(b, student, teacher):
+        p = F.softmax(logits[b, teacher] / tau, -1)
+        return -(p * F.log_softmax(logits[b, student] / tau, -1)).sum() * tau**2
+
+    # r1: k_0 at 1..2, l_0 at 3..4 -> pair (2, 4). r2: k_0 at 3..4, l_0 at 5..6 -> pairs (3, 5), (4, 6).
+    expected = (soft_ce(0, 2, 4) / 1 / 2 + (soft_ce(1, 3, 5) + soft_ce(1, 4, 6)) / 2 / 1) / 2
+    torch.testing.assert_close(consistency_loss(logits, batch, tau), expected)
+
+
+def test_ar_targets_stop_at_the_first_response_eos_and_skip_padding():
+    # The prompt contains EOS (chat templates end turns with it): that one is ordinary.
+    prompt = [1, EOS, 5]
+    blocks = [([9, 9, 9], [6, EOS, 7]), ([9, 9], [8, 4])]  # tokens after the response EOS, and a short block
+    batch = collate([row(prompt, blocks, mismatch=[0, 0], n=3)], PADID, EOS)
+    # clean stream: prompt 0..2, l_0 at 6..8, l_1 at 12..13 (14 is padding)
+    assert batch.ar_positions.tolist() == [0, 1, 2, 6]
+    assert batch.ar_targets.tolist() == [EOS, 5, 6, EOS]
+    # consistency: l_0 offsets whose prediction is not past the EOS: offset 0 only (l_0[1] is the EOS)
+    assert batch.student_positions.tolist() == [3] and batch.teacher_positions.tolist() == [6]
+
+
+def test_ar_bridge_crosses_block_boundaries_and_padding_is_never_a_target():
+    blocks = [([9, 9], [3, 4]), ([9, 9], [5, 9]), ([9, 9], [6, 0])]
+    r = row([1], blocks, mismatch=[0, 0, 0], n=2)
+    r["valid_lengths"][-1] = 1  # the last block ends after one token; its second slot is padding
+    batch = collate([r], PADID, EOS)
+    # clean positions: prompt 0, l_0 3..4, l_1 7..8, l_2 11 (12 padding)
+    assert batch.ar_positions.tolist() == [0, 3, 4, 7, 8]
+    assert batch.ar_targets.tolist() == [3, 4, 5, 9, 6]
+    assert batch.tokens == len(r["input_ids"]) - 2
+
+
+def test_total_is_consistency_plus_lambda_times_ar():
+    batch = collate([row([1, 3], [([9, 9], [4, 5])], mismatch=[0], n=2)], PADID, EOS)
+    logits = leaf_logits(batch, seed=2)
+    losses = jacobi_forcing_loss(logits, batch, ar_weight=10.0, temperature=1.0)
+    ar = F.cross_entropy(logits[0, [0, 1, 4]], torch.tensor([3, 4, 5]))
+    torch.testing.assert_close(losses.ar, ar.detach())
+    torch.testing.assert_close(losses.total, losses.consistency + 10.0 * ar)
+    assert losses.consistency.item() > 0
