@@ -36,12 +36,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from flows.recipe import Recipe, StagePlan, load_recipe
-from jfcore.config import ConfigError, from_dict, replace
+from jfcore.config import ConfigError, apply_overrides, from_dict, replace
 from jfcore.eval.benchmarks import BenchmarkConfig
 from jfcore.eval.config import EvalConfig, EvalModel
 from jfcore.models import ModelLoadError, load_tokenizer
@@ -93,23 +92,10 @@ def load_campaign(profile: str, overrides: list[str] | None = None) -> Campaign:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
         raise ConfigError(f"profile {profile!r}: no file {path}; use one of {known} or a YAML path")
-    data = yaml.safe_load(path.read_text()) or {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: write key=value, e.g. train.max_steps=100")
-        _set(data, key.split("."), yaml.safe_load(value))
+    data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides or [])
     settings = from_dict(CampaignSettings, data.pop("campaign", None) or {}, "campaign")
     shown = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
     return Campaign(load_recipe(data), settings, str(shown), tuple(overrides or ()))
-
-
-def _set(data: dict, keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
-        data = data.setdefault(key, {})
-        if not isinstance(data, dict):
-            raise ConfigError(f"--set {'.'.join(keys)}: {key} is not a section")
-    data[keys[-1]] = value
 
 
 class Log:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 
-from flows.recipe import STAGES, Recipe, StagePlan, load_recipe
+from flows.recipe import STAGES, Recipe, Stage, StagePlan, load_recipe
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, replace, to_dict
 from jfcore.lock import folder_lock
@@ -55,8 +55,12 @@ def resolve_model_task(model: dict) -> str:
     return source_fingerprint(from_dict(ModelConfig, model, "model"))
 
 
-@flow(name="jacobi-forcing", log_prints=True)
-def jacobi_forcing(recipe: str | dict = DEFAULT_RECIPE, stages: list[str] | None = None, resume: bool = True) -> dict:
+# The parameters are typed so that the Prefect UI draws a form for them (the recipe's every section and key, with
+# their defaults); our own loader checks what arrives, strictly (an unknown key is an error, not dropped).
+@flow(name="jacobi-forcing", log_prints=True, validate_parameters=False)
+def jacobi_forcing(
+    recipe: Recipe | str = DEFAULT_RECIPE, stages: list[Stage] | None = None, resume: bool = True
+) -> dict:
     """Run the pipeline a recipe describes.
 
     recipe: a YAML/JSON path (relative to the working folder) or the recipe's values.

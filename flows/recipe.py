@@ -30,11 +30,12 @@ under `work_dir/` itself. Evaluation compares the base model with the last stage
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from jfcore.config import ConfigError, check, from_dict, load_file
+from jfcore.config import ConfigError, check, from_dict, load_file, to_dict
 from jfcore.eval.benchmarks import BenchmarkConfig
 from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.models import ModelConfig
@@ -48,7 +49,8 @@ from tasks.registry import GateConfig
 from tasks.tracking import TrackingConfig
 from tasks.training import LaunchConfig
 
-STAGES = ("trajectories", "packing", "train", "evaluate", "register")
+Stage = Literal["trajectories", "packing", "train", "evaluate", "register"]
+STAGES: tuple[Stage, ...] = typing.get_args(Stage)
 FLOW_LINKED = ("data", "output_dir", "model")  # train keys the flow sets from the other stages
 
 
@@ -202,9 +204,11 @@ class Recipe:
         )
 
 
-def load_recipe(source: str | Path | dict, overrides: dict | None = None) -> Recipe:
-    """A recipe from a YAML/JSON path or plain data, with optional top-level overrides; relative
+def load_recipe(source: str | Path | dict | Recipe, overrides: dict | None = None) -> Recipe:
+    """A recipe from a YAML/JSON path, plain data or a Recipe, with optional top-level overrides; relative
     paths in a file resolve against the working folder."""
+    if isinstance(source, Recipe):
+        source = to_dict(source)  # checked again, like any other source
     data = dict(load_file(source) if isinstance(source, (str, Path)) else source)
     data |= overrides or {}
     if "work_dir" not in data:

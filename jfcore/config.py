@@ -8,12 +8,13 @@ with a message that names the key and what would be accepted.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -72,9 +73,30 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_recipe(path: str | Path, sections: Mapping[str, type], required: tuple[str, ...] = ()) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """`data` with each `dotted.key=value` (a CLI's `--set`) applied in order; values are YAML (`8`, `true`,
+    `[a, b]`, `null`). The result is checked like the file it overrides, so a misspelt key is still an error."""
+    import yaml
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: write key=value, e.g. train.max_steps=100")
+        keys, section = key.split("."), data
+        for name in keys[:-1]:
+            section = section.setdefault(name, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"--set {item!r}: {name} is a value, not a section")
+        section[keys[-1]] = yaml.safe_load(text)
+    return data
+
+
+def load_recipe(
+    path: str | Path, sections: Mapping[str, type], required: tuple[str, ...] = (), overrides: Iterable[str] = ()
+) -> dict[str, Any]:
     """A recipe file of named sections, each built into its config class (absent ones get the defaults)."""
-    recipe = load_file(path)
+    recipe = apply_overrides(load_file(path), overrides)
     unknown = sorted(set(recipe) - set(sections))
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; use {', '.join(sections)}")

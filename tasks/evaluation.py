@@ -31,7 +31,7 @@ from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint,
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
-from tasks.orchestration import get_run_logger, task
+from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
 
@@ -63,6 +63,7 @@ def run_evaluation(
     ray_config: RayConfig | None = None,
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Evaluate (or finish evaluating) every model on every benchmark; returns the table and where it is."""
     ray_config, tracking = ray_config or RayConfig(), tracking or TrackingConfig()
@@ -101,7 +102,7 @@ def run_evaluation(
         def submit(worker, spec: ShardSpec):
             return worker.run.remote(spec, problems[spec.start : spec.stop], str(folder))
 
-        fill_shards(folder, specs, workers, submit, settings, log)
+        fill_shards(folder, specs, workers, submit, settings, log, progress)
 
     samples = [row for spec in specs for row in pq.read_table(folder / spec.name).to_pylist()]
     report = write_report(folder / REPORT, samples, config.baseline)
@@ -267,6 +268,7 @@ def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | No
         from_dict(RayConfig, ray or {}, "ray"),
         from_dict(TrackingConfig, tracking or {}, "tracking"),
         log=get_run_logger().info,
+        progress=progress_artifact("evaluation"),
     )
     create_markdown_artifact(
         result["markdown"], key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method"

@@ -156,7 +156,13 @@ def start_workers(cls: type, config: RayConfig, *args) -> list:
 
 
 def fill_shards(
-    folder: Path, specs: list[ShardSpec], workers: list, submit: Callable, settings: dict, log: Callable[[str], None]
+    folder: Path,
+    specs: list[ShardSpec],
+    workers: list,
+    submit: Callable,
+    settings: dict,
+    log: Callable[[str], None],
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Make every shard of `specs` in `folder` that its manifest does not list yet.
 
@@ -168,6 +174,8 @@ def fill_shards(
     done = completed_shards(folder, specs)
     todo = [s for s in specs if s.name not in done]
     log(f"run folder {folder}: {len(done)}/{len(specs)} shards already complete, {len(todo)} to make")
+    if progress:
+        progress(len(done), len(specs))
     start = time.perf_counter()
     finished = len(done)
 
@@ -178,6 +186,8 @@ def fill_shards(
         elapsed, made = time.perf_counter() - start, finished - len(done)
         eta = elapsed / made * (len(specs) - finished)
         log(f"shard {finished}/{len(specs)} done: {record.name}, {record.rows} rows ({elapsed:.0f} s, ETA {eta:.0f} s)")
+        if progress:
+            progress(finished, len(specs))
 
     if workers and isinstance(workers[0], InProcessWorker | ProcessWorker):  # the next shard to the first idle worker
         running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}

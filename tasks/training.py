@@ -33,13 +33,14 @@ from jfcore.training.loop import (
     DEEPSPEED_CONFIG,
     FAILURE_PREFIX,
     METRICS,
+    PROGRESS_LINE,
     complete_checkpoints,
     deepspeed_config,
     read_metrics,
 )
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
-from tasks.orchestration import get_run_logger, task
+from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
@@ -88,6 +89,7 @@ def run_training(
     launch: LaunchConfig | None = None,
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
     launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
@@ -108,7 +110,7 @@ def run_training(
     resumed = complete_checkpoints(out / CHECKPOINTS)
     log(f"training into {out}" + (f", resuming from {resumed[-1]}" if resumed and train.resume else ""))
     try:
-        _launch(launch_file, launch, log)
+        _launch(launch_file, launch, log, progress)
     except BaseException:
         if run_id:
             client(tracking).set_terminated(run_id, "FAILED")  # a rerun resumes it: RUNNING again
@@ -144,7 +146,9 @@ def _absolute_paths(train: TrainConfig) -> TrainConfig:
     )
 
 
-def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None]) -> None:
+def _launch(
+    launch_file: Path, launch: LaunchConfig, log: Callable[[str], None], progress: Callable[[int, int], None] | None
+) -> None:
     gpus = torch.cuda.device_count()
     processes = launch.processes or gpus or 2
     env = dict(os.environ)
@@ -202,6 +206,8 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None])
                 if not in_post_mortem:
                     tail.append(line.rstrip())
                 log(line.rstrip())
+                if progress and (step := PROGRESS_LINE.match(line)):
+                    progress(int(step["done"]), int(step["total"]))
         code = proc.wait()
     finally:
         if timer:
@@ -244,6 +250,7 @@ def train_task(train: dict, launch: dict | None = None, tracking: dict | None = 
         from_dict(LaunchConfig, launch or {}, "launch"),
         from_dict(TrackingConfig, tracking or {}, "tracking"),
         log=get_run_logger().info,
+        progress=progress_artifact("training"),
     )
 
 

@@ -33,7 +33,7 @@ from jfcore.models import (
 from jfcore.prompts import PromptSet, PromptSource, encode_prompts
 from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
-from tasks.orchestration import get_run_logger, task
+from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 
 SETS = "sets"  # in a store: one selection file per prompt set
@@ -70,6 +70,7 @@ def generate_trajectories(
     out_dir: str | Path,
     prompts_per_shard: int = 64,
     log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Decode the prompts the store does not hold yet; returns the prompt set's selection file."""
     tokenizer = load_tokenizer(model)
@@ -92,13 +93,33 @@ def generate_trajectories(
     if todo:
         with ray_session(ray_config):
             held |= _decode(
-                model, prompt_set, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard, log
+                model,
+                prompt_set,
+                keys,
+                todo,
+                tokenizer_fp,
+                trajectory,
+                ray_config,
+                store,
+                prompts_per_shard,
+                log,
+                progress,
             )
     return _write_selection(store, prompt_set, keys, held, reused=len(keys) - len(todo))
 
 
 def _decode(
-    model, prompt_set: PromptSet, keys, todo, tokenizer_fp, trajectory, ray_config, store, prompts_per_shard, log
+    model,
+    prompt_set: PromptSet,
+    keys,
+    todo,
+    tokenizer_fp,
+    trajectory,
+    ray_config,
+    store,
+    prompts_per_shard,
+    log,
+    progress,
 ) -> dict[str, str]:
     """Decode the prompts `todo` (indices into the set) into new shards; returns their key -> shard name."""
     workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
@@ -132,7 +153,7 @@ def _decode(
             str(store),
         )
 
-    fill_shards(store, specs, workers, submit, settings, log)
+    fill_shards(store, specs, workers, submit, settings, log, progress)
     return {keys[i]: spec.name for spec in specs for i in todo[spec.start : spec.stop]}
 
 
@@ -170,5 +191,6 @@ def generate_trajectories_task(
         out_dir,
         prompts_per_shard,
         log=get_run_logger().info,
+        progress=progress_artifact("trajectories"),
     )
     return str(folder)

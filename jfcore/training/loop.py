@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 import traceback
@@ -38,6 +39,7 @@ METRICS = "metrics.jsonl"
 FINAL = "final"
 EXPORTS = "exports"  # exports/step-NNNNNNN/: plain checkpoints at TrainConfig.export_steps
 PROGRESS_EVERY_S = 30.0  # rank 0 prints a progress line at most this often (and at the first and last step)
+PROGRESS_LINE = re.compile(r"step (?P<done>\d+)/(?P<total>\d+): ")  # how the launcher recognises that line
 DEEPSPEED_CONFIG = "deepspeed_config.json"
 FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopped
 COMPLETE = "jf_complete.json"  # written into a checkpoint folder once every rank has saved it

@@ -114,6 +114,27 @@ def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
     assert step < STEPS  # it was cancelled before the end
 
 
+def test_progress_is_logged_with_an_eta_and_shown_as_artifacts(stack, two_runs):
+    from uuid import UUID
+
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    steps = [int(m[1]) for m in re.finditer(r"step (\d+)/600: loss [0-9.]+ .*ETA [0-9.]+ min", two_runs["logs"])]
+    assert steps and steps[-1] == STEPS and steps == sorted(steps)
+    with SyncPrefectClient(api=stack["env"]["PREFECT_API_URL"]) as client:
+        runs = [UUID(two_runs["first"]), UUID(two_runs["second"])]
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=runs))
+        )
+    progress = {(str(a.flow_run_id), a.key): a.data for a in artifacts if a.type == "progress"}
+    assert progress[(two_runs["second"], "training-progress")] == 100.0
+    assert progress[(two_runs["second"], "evaluation-progress")] == 100.0
+    assert 0 < progress[(two_runs["first"], "training-progress")] < 100.0  # where the cancelled run stopped
+    assert progress[(two_runs["first"], "trajectories-progress")] == 100.0
+    assert (two_runs["second"], "trajectories-progress") not in progress  # nothing was left to decode
+
+
 def test_parquet_outputs(stack, two_runs):
     work = stack["root"] / "work"
     [store] = [p.parent for p in (work / "trajectories").glob("*/manifest.json")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jfcore.config import ConfigError, from_dict, load_file, replace
+from jfcore.config import ConfigError, apply_overrides, from_dict, load_file, load_recipe, replace
 from jfcore.decoding import DecodeConfig
 
 
@@ -40,3 +40,24 @@ def test_files_and_replace(tmp_path):
         replace(config, nope=1)
     with pytest.raises(ConfigError, match="config file not found"):
         load_file(tmp_path / "missing.yaml")
+
+
+def test_overrides_apply_in_order_as_yaml_values_and_are_checked_like_the_file(tmp_path):
+    base = {"train": {"epochs": 2, "model": {"name_or_path": "m"}}, "launch": {"processes": 2}}
+    done = apply_overrides(base, ["train.epochs=5", "train.model.dtype=bfloat16", "launch.processes=1", "x.y=[1, 2]"])
+    assert done == {
+        "train": {"epochs": 5, "model": {"name_or_path": "m", "dtype": "bfloat16"}},
+        "launch": {"processes": 1},
+        "x": {"y": [1, 2]},
+    }
+    assert base["train"]["epochs"] == 2  # the loaded file's data is not changed
+    with pytest.raises(ConfigError, match="write key=value"):
+        apply_overrides(base, ["train.epochs"])
+    with pytest.raises(ConfigError, match="epochs is a value, not a section"):
+        apply_overrides(base, ["train.epochs.max=3"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("decode: {block_size: 8}\n")
+    loaded = load_recipe(recipe, {"decode": DecodeConfig}, overrides=["decode.block_size=32", "decode.method=ar"])
+    assert loaded["decode"].block_size == 32 and loaded["decode"].method == "ar"
+    with pytest.raises(ConfigError, match="did you mean 'block_size'"):
+        load_recipe(recipe, {"decode": DecodeConfig}, overrides=["decode.blocksize=32"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.recipe import load_recipe
+from flows.recipe import STAGES, load_recipe
 from jfcore.config import ConfigError
 from tests.support import REPO
 
@@ -60,6 +60,21 @@ def test_the_flow_refuses_a_missing_model_before_any_stage(tmp_path):
     assert not (tmp_path / "work").exists()  # no stage wrote anything
     with pytest.raises(ConfigError, match=r"stages: unknown \['trian'\]"):
         jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w2")}, stages=["trian"])
+    with pytest.raises(ConfigError, match=r"unknown key 'trajectroy' \(did you mean 'trajectory'\?\)"):
+        jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w3"), "trajectroy": {}})  # not dropped by a schema
+
+
+def test_the_flow_parameters_are_typed_so_the_ui_draws_a_form():
+    from flows.jacobi_forcing import jacobi_forcing
+
+    schema = jacobi_forcing.parameters.model_dump()
+    recipe = schema["properties"]["recipe"]
+    assert recipe["anyOf"] == [{"$ref": "#/definitions/Recipe"}, {"type": "string"}]
+    sections = schema["definitions"]["Recipe"]["properties"]
+    assert {"work_dir", "model", "prompts", "trajectory", "packing", "train", "evaluation", "gate"} <= set(sections)
+    block_size = schema["definitions"]["TrajectoryConfig"]["properties"]["block_size"]
+    assert block_size["type"] == "integer" and block_size["default"] == 16
+    assert schema["properties"]["stages"]["anyOf"][0]["items"]["enum"] == list(STAGES)
 
 
 def test_a_curriculum_chains_its_stages():

@@ -71,3 +71,12 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: {recipe}: unknown section(s) launh; use train, launch, tracking"
     )
+    recipe.write_text("train: {data: d, output_dir: o}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.training", "--config", str(recipe), "--set", "train.epoch=2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 1 and "unknown key 'epoch' (did you mean 'epochs'?)" in done.stderr.splitlines()[-1]
