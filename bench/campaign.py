@@ -44,7 +44,7 @@ from jfcore.config import ConfigError, apply_overrides, from_dict, replace
 from jfcore.eval.benchmarks import BenchmarkConfig
 from jfcore.eval.config import EvalConfig, EvalModel
 from jfcore.models import ModelLoadError, load_tokenizer
-from jfcore.training.loop import EXPORTS, FINAL, METRICS
+from jfcore.training.checkpoints import EXPORT_METADATA, EXPORTS, FINAL, METRICS
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "configs" / "campaign"
@@ -161,7 +161,7 @@ def run_train(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
     from tasks.training import run_training
 
     train = campaign.recipe.train_config(plan, str(plan.path("packed")))
-    if (Path(train.output_dir) / FINAL / "jacobi_forcing.json").is_file():
+    if (Path(train.output_dir) / FINAL / EXPORT_METADATA).is_file():
         log(f"trained already: {Path(train.output_dir) / FINAL} (delete it to train again)")
         return {"final_dir": str(Path(train.output_dir) / FINAL)}
     return run_training(train, campaign.recipe.launch, log=log)
@@ -184,8 +184,8 @@ def curve_points(campaign: Campaign) -> list[dict]:
         train = plan.path("train")
         exports = sorted((train / EXPORTS).glob("step-*/config.json")) if (train / EXPORTS).is_dir() else []
         final_steps = None
-        if (train / FINAL / "jacobi_forcing.json").is_file():
-            final_steps = json.loads((train / FINAL / "jacobi_forcing.json").read_text())["steps"]
+        if (train / FINAL / EXPORT_METADATA).is_file():
+            final_steps = json.loads((train / FINAL / EXPORT_METADATA).read_text())["steps"]
         for folder in [e.parent for e in exports] + ([train / FINAL] if final_steps else []):
             step = final_steps if folder.name == FINAL else int(folder.name.removeprefix("step-"))
             if folder.name != FINAL and step == final_steps:

@@ -36,7 +36,7 @@ from jfcore.config import ConfigError, from_dict, replace, to_dict
 from jfcore.lock import folder_lock
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import file_sha256, run_key
-from jfcore.training.loop import FINAL
+from jfcore.training.checkpoints import FINAL
 from tasks.evaluation import evaluate_task
 from tasks.packing import pack_trajectories_task, packed_problem
 from tasks.registry import champion_version, fetch_version, gate_decision, register_task

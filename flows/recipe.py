@@ -41,8 +41,8 @@ from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.models import ModelConfig
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
+from jfcore.training.checkpoints import FINAL
 from jfcore.training.config import TrainConfig
-from jfcore.training.loop import FINAL
 from jfcore.trajectories import TrajectoryConfig
 from tasks.ray_workers import RayConfig
 from tasks.registry import GateConfig

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from jfcore.config import from_dict
+from jfcore.training.checkpoints import FAILURE_PREFIX
 from jfcore.training.config import TrainConfig
-from jfcore.training.loop import FAILURE_PREFIX, train
+from jfcore.training.loop import train
 from tasks.tracking import TrackingConfig, metric_logger
 
 

@@ -26,18 +26,18 @@ import torch
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, check, from_dict, replace, to_dict
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
-from jfcore.training.config import TrainConfig
-from jfcore.training.data import TrainingDataError, packing_stats
-from jfcore.training.loop import (
+from jfcore.training.checkpoints import (
     CHECKPOINTS,
     DEEPSPEED_CONFIG,
     FAILURE_PREFIX,
+    FINAL,
     METRICS,
-    PROGRESS_LINE,
     complete_checkpoints,
-    deepspeed_config,
     read_metrics,
 )
+from jfcore.training.config import TrainConfig
+from jfcore.training.data import TrainingDataError, packing_stats
+from jfcore.training.loop import PROGRESS_LINE, deepspeed_config
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
 from tasks.orchestration import get_run_logger, progress_artifact, task
@@ -116,7 +116,7 @@ def run_training(
             client(tracking).set_terminated(run_id, "FAILED")  # a rerun resumes it: RUNNING again
         raise
 
-    result = {"final_dir": str(out / "final"), "mlflow_run_id": run_id, "metrics": _last_metrics(out / METRICS)}
+    result = {"final_dir": str(out / FINAL), "mlflow_run_id": run_id, "metrics": _last_metrics(out / METRICS)}
     if run_id:
         result["model"] = logged_model(out)
         if result["model"] is None:

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 from jfcore.config import ConfigError, replace
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.models import ModelConfig, ModelLoadError
+from jfcore.training.checkpoints import complete_checkpoints
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError
-from jfcore.training.loop import complete_checkpoints
 from tasks.tracking import TrackingConfig, client
 from tasks.training import LaunchConfig, TrainingFailed, run_training
 from tests.support.servers import mlflow_server

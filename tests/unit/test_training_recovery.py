@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jfcore.atomic import atomic_write, fsync_tree
-from jfcore.training.loop import MetricsError, _reason, _truncate_metrics, read_metrics
+from jfcore.training.checkpoints import MetricsError, _reason, _truncate_metrics, read_metrics
 from tasks.training import _last_metrics
 
 
