@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from flows.recipe import Recipe, StagePlan, load_recipe
-from jfcore.config import ConfigError, apply_overrides, from_dict, replace
+from jfcore.config import ConfigError, apply_overrides, from_dict, replace_checked
 from jfcore.eval.benchmarks import BenchmarkConfig
 from jfcore.eval.config import EvalConfig, EvalModel
 from jfcore.models import ModelLoadError, load_tokenizer
@@ -149,7 +149,7 @@ def run_packing(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
         log(f"packed already: {stats_file}")
         return json.loads(stats_file.read_text())
     pad = load_tokenizer(plan.model).pad_token_id
-    stats = pack_trajectories(trajectories, plan.path("packed"), replace(plan.packing, pad_token_id=pad))
+    stats = pack_trajectories(trajectories, plan.path("packed"), replace_checked(plan.packing, pad_token_id=pad))
     log(
         f"packed {stats['sequences']} sequences, {stats['tokens']} tokens; "
         f"{100 * stats['consistency_share']:.0f}% of blocks carry consistency loss"
@@ -195,7 +195,7 @@ def curve_points(campaign: Campaign) -> list[dict]:
                     "label": f"{plan.name}@{step}",
                     "stage": plan.name,
                     "step": step,
-                    "model": replace(r.model, name_or_path=str(folder), gguf_file=None),
+                    "model": replace_checked(r.model, name_or_path=str(folder), gguf_file=None),
                     "block_size": plan.trajectory.block_size,
                 }
             )
@@ -210,7 +210,9 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
     if s.curve:
         for point in curve_points(campaign):
             n = point["block_size"]
-            decoding = replace(r.evaluation.decoding, block_size=n, ngram_size=n, max_new_tokens=s.curve.max_new_tokens)
+            decoding = replace_checked(
+                r.evaluation.decoding, block_size=n, ngram_size=n, max_new_tokens=s.curve.max_new_tokens
+            )
             config = EvalConfig(
                 str(campaign.work_dir / "curve"),
                 {point["label"]: EvalModel(point["model"])},
@@ -228,9 +230,9 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
         log(f"final evaluation: base vs {final}")
         results["final"] = _summary(run_evaluation(r.eval_config(final), r.ray, log=log))
     if s.fp32_check:
-        model = replace(r.model, name_or_path=final, gguf_file=None, dtype="float32")
-        benchmarks = tuple(replace(b, limit=s.fp32_check) for b in r.evaluation.benchmarks[:1])
-        decoding = replace(r.evaluation.decoding, max_new_tokens=min(r.evaluation.decoding.max_new_tokens, 128))
+        model = replace_checked(r.model, name_or_path=final, gguf_file=None, dtype="float32")
+        benchmarks = tuple(replace_checked(b, limit=s.fp32_check) for b in r.evaluation.benchmarks[:1])
+        decoding = replace_checked(r.evaluation.decoding, max_new_tokens=min(r.evaluation.decoding.max_new_tokens, 128))
         config = EvalConfig(
             str(campaign.work_dir / "fp32-check"),
             {"trained-fp32": EvalModel(model)},

@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger, runtime, task
 
 from flows.recipe import STAGES, Recipe, Stage, StagePlan, load_recipe
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, from_dict, replace, to_dict
+from jfcore.config import ConfigError, from_dict, replace_checked, to_dict
 from jfcore.lock import folder_lock
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import file_sha256, run_key
@@ -81,7 +81,7 @@ def jacobi_forcing(
     with folder_lock(config.path(""), holder, config.lock_wait_s, log.info):
         parent = _parent_run(config, chosen)
         # the recipe's run_name names the parent; the nested runs are named by their stage
-        tracking = replace(config.tracking, parent_run_id=parent, run_name=None) if parent else config.tracking
+        tracking = replace_checked(config.tracking, parent_run_id=parent, run_name=None) if parent else config.tracking
         try:
             result = _run_stages(config, chosen, resume, tracking, log)
         except BaseException:
@@ -104,7 +104,7 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
     start = config.model
     if config.retrain_from == "champion" and "train" in chosen:
         if champion:
-            start = replace(config.model, name_or_path=champion_dir, gguf_file=None)
+            start = replace_checked(config.model, name_or_path=champion_dir, gguf_file=None)
             log.info(f"retrain_from champion: training starts from {tracking.registered_model} v{champion}")
         else:
             log.info("retrain_from champion: the registry has no champion yet; training starts from the base model")
@@ -115,11 +115,11 @@ def _run_stages(config: Recipe, chosen: list[str], resume: bool, tracking: Track
     for i, plan in enumerate(plans):
         plan = dataclasses.replace(plan, model=model)  # a curriculum stage starts from the previous stage's export
         # Only the last stage's model is registered; earlier ones are logged in their runs.
-        stage_tracking = tracking if i == len(plans) - 1 else replace(tracking, registered_model=None)
+        stage_tracking = tracking if i == len(plans) - 1 else replace_checked(tracking, registered_model=None)
         outcome = _run_stage(config, plan, chosen, resume, stage_tracking, log)
         result |= outcome if not config.curriculum else {}
         result.setdefault("stages", {})[plan.name] = outcome
-        model = replace(config.model, name_or_path=str(Path(outcome["train_dir"]) / FINAL), gguf_file=None)
+        model = replace_checked(config.model, name_or_path=str(Path(outcome["train_dir"]) / FINAL), gguf_file=None)
 
     final, logged = model.name_or_path, outcome.get("model") or {}
     if (
@@ -194,7 +194,8 @@ def _run_stage(config: Recipe, plan: StagePlan, chosen: list[str], resume: bool,
     if tracking.uri:
         _record_data_stages(config, plan, chosen, tracking, selection, packed)
 
-    train = to_dict(replace(config.train_config(plan, str(packed)), resume=True))  # a new folder has nothing to resume
+    # resume: a new folder has nothing to resume, and a reused one continues
+    train = to_dict(replace_checked(config.train_config(plan, str(packed)), resume=True))
     if "train" not in chosen:
         folder = (plan.path("train") / LATEST).resolve()
         if not (folder / FINAL / "config.json").is_file():

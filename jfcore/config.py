@@ -92,7 +92,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return data
 
 
-def load_recipe(
+def load_sections(
     path: str | Path, sections: Mapping[str, type], required: tuple[str, ...] = (), overrides: Iterable[str] = ()
 ) -> dict[str, Any]:
     """A recipe file of named sections, each built into its config class (absent ones get the defaults)."""
@@ -106,7 +106,7 @@ def load_recipe(
     return {name: from_dict(cls, recipe.get(name) or {}, name) for name, cls in sections.items()}
 
 
-def replace(config: T, **changes: Any) -> T:
+def replace_checked(config: T, **changes: Any) -> T:
     """A copy of ``config`` with ``changes`` applied and validated like a fresh load."""
     return from_dict(type(config), {**to_dict(config), **changes})
 

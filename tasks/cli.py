@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 
-from jfcore.config import load_recipe
+from jfcore.config import load_sections
 
 
 def stage_main(
@@ -30,6 +30,6 @@ def stage_main(
     )
     args = parser.parse_args(argv)
     try:
-        return run(load_recipe(args.config, sections, required=(next(iter(sections)),), overrides=args.set))
+        return run(load_sections(args.config, sections, required=(next(iter(sections)),), overrides=args.set))
     except errors as err:
         sys.exit(f"error: {err}")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check
+from jfcore.training.checkpoints import EXPORT_METADATA
 
 RUN_FILE = "mlflow_run.json"  # in a stage's output folder: the run a resumed stage keeps logging to
 PARAM_LIMIT = 6000  # MLflow's longest param value
 # What loading a logged model needs besides the jfcore code stored with it.
-SERVING_PARAMS = {"method": "multiblock", "block_size": 16, "max_new_tokens": 256}  # defaults of predict()
 REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "numpy", "pyyaml", "gguf", "pyarrow")
 
 
@@ -122,6 +122,13 @@ def logged_model(folder: Path) -> dict | None:
     return json.loads(record.read_text()).get("model") if record.is_file() else None
 
 
+def serving_params(checkpoint: Path) -> dict:
+    """predict()'s defaults: multiblock decoding at the block size the model was trained at (its export says)."""
+    metadata = checkpoint / EXPORT_METADATA
+    trained = json.loads(metadata.read_text()).get("block_size") if metadata.is_file() else None
+    return {"method": "multiblock", "block_size": trained or 16, "max_new_tokens": 256}
+
+
 def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path) -> dict:
     """Log an HF checkpoint folder as a Jacobi-decoding pyfunc without loading it (no input example),
     and register it when configured. (MLflow's transformers flavor cannot log transformers 5
@@ -142,7 +149,7 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
             code_paths=[str(Path(jfcore.__file__).parent)],
             pip_requirements=requirements,
             # Declared, not inferred by running the model: text in, text out, decoding settings as params.
-            signature=infer_signature(["prompt"], ["completion"], params=dict(SERVING_PARAMS)),
+            signature=infer_signature(["prompt"], ["completion"], params=serving_params(checkpoint)),
             registered_model_name=config.registered_model,
         )
     model = {

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, replace, to_dict
+from jfcore.config import ConfigError, check, from_dict, replace_checked, to_dict
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.training.checkpoints import (
     CHECKPOINTS,
@@ -138,7 +138,7 @@ def run_training(
 
 
 def _absolute_paths(train: TrainConfig) -> TrainConfig:
-    return replace(
+    return replace_checked(
         train,
         data=str(Path(train.data).resolve()),
         output_dir=str(Path(train.output_dir).resolve()),

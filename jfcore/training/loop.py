@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from jfcore.config import ConfigError, replace, to_dict
+from jfcore.config import ConfigError, replace_checked, to_dict
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training import checkpoints
 from jfcore.training.batch import collate
@@ -124,7 +124,7 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     )
     torch.manual_seed(config.seed)
 
-    model, tokenizer = load_model(replace(config.model, device=str(device), attn_implementation=attn))
+    model, tokenizer = load_model(replace_checked(config.model, device=str(device), attn_implementation=attn))
     data = PackedData(config.data, tokenizer_fingerprint(tokenizer))
     order = DataOrder(len(data), config.micro_batch_size, world, config.gradient_accumulation_steps, config.seed)
     if order.steps_per_epoch == 0:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jfcore.config import ConfigError, replace
+from jfcore.config import ConfigError, replace_checked
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.models import ModelConfig, ModelLoadError
 from jfcore.training.checkpoints import complete_checkpoints
@@ -139,7 +139,10 @@ def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uni
     from jfcore.models import load_model
 
     mlflow.set_tracking_uri(setup["mlflow"])
-    served = mlflow.pyfunc.load_model(f"models:/jf-tiny/{uninterrupted['model']['version']}")
+    uri = f"models:/jf-tiny/{uninterrupted['model']['version']}"
+    defaults = {p.name: p.default for p in mlflow.models.get_model_info(uri).signature.params}
+    assert defaults == {"method": "multiblock", "block_size": 4, "max_new_tokens": 256}  # trained at block size 4
+    served = mlflow.pyfunc.load_model(uri)
     texts = ["w5 w9 w11 w4", "w30 w7"]
     completions = served.predict(texts, params={"method": "jacobi", "block_size": 4, "max_new_tokens": 16})
     model, tokenizer = load_model(MC(name_or_path=uninterrupted["final_dir"]))
@@ -315,7 +318,7 @@ def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted,
     The paths are relative to the caller's working folder, as in a recipe."""
     monkeypatch.chdir(setup["root"])
     train = config(setup, f"ds-{deepspeed_config}", max_steps=2, checkpoint_every=2)
-    train = replace(
+    train = replace_checked(
         train,
         data=os.path.relpath(train.data),
         output_dir=f"ds-{deepspeed_config}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jfcore.config import ConfigError, apply_overrides, from_dict, load_file, load_recipe, replace
+from jfcore.config import ConfigError, apply_overrides, from_dict, load_file, load_sections, replace_checked
 from jfcore.decoding import DecodeConfig
 
 
@@ -35,9 +35,9 @@ def test_files_and_replace(tmp_path):
     path = tmp_path / "decode.yaml"
     path.write_text("method: jacobi\nblock_size: 64\n")
     config = from_dict(DecodeConfig, load_file(path))
-    assert replace(config, block_size=8).block_size == 8
+    assert replace_checked(config, block_size=8).block_size == 8
     with pytest.raises(ConfigError, match="unknown key 'nope'"):
-        replace(config, nope=1)
+        replace_checked(config, nope=1)
     with pytest.raises(ConfigError, match="config file not found"):
         load_file(tmp_path / "missing.yaml")
 
@@ -57,7 +57,7 @@ def test_overrides_apply_in_order_as_yaml_values_and_are_checked_like_the_file(t
         apply_overrides(base, ["train.epochs.max=3"])
     recipe = tmp_path / "r.yaml"
     recipe.write_text("decode: {block_size: 8}\n")
-    loaded = load_recipe(recipe, {"decode": DecodeConfig}, overrides=["decode.block_size=32", "decode.method=ar"])
+    loaded = load_sections(recipe, {"decode": DecodeConfig}, overrides=["decode.block_size=32", "decode.method=ar"])
     assert loaded["decode"].block_size == 32 and loaded["decode"].method == "ar"
     with pytest.raises(ConfigError, match="did you mean 'block_size'"):
-        load_recipe(recipe, {"decode": DecodeConfig}, overrides=["decode.blocksize=32"])
+        load_sections(recipe, {"decode": DecodeConfig}, overrides=["decode.blocksize=32"])
