@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,6 +218,8 @@ def train(
     exported = (final / "config.json").is_file()  # a rerun of a finished run leaves its export alone
     # Every rank looks before rank 0 may write it: a rank that looked after would skip the export's
     # collectives and leave the others waiting on a peer that has gone.
+    if progress:
+        progress.close()
     dist.barrier()
     if not exported:
         checkpoints.export(t.engine, t.tokenizer, final, t.export_metadata(t.total))
@@ -225,24 +228,49 @@ def train(
 
 
 class _Progress:
-    """One line per PROGRESS_EVERY_S on rank 0: step, losses, throughput and time left (the launcher relays it)."""
+    """Rank 0's progress lines (the launcher relays them): at the first and last step and at most every
+    PROGRESS_EVERY_S, the step's losses, throughput and time left. A step longer than that (a big model, a
+    loaded host) gets a heartbeat line from a thread instead, so an operator never waits long for news."""
 
     def __init__(self, start: int, total: int):
-        self.start, self.total = start, total
+        self.start, self.total, self.done = start, total, start
         self.began = self.last = time.perf_counter()
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        threading.Thread(target=self._heartbeat, name="progress-heartbeat", daemon=True).start()
 
     def report(self, step: int, metrics: dict) -> None:
-        now = time.perf_counter()
-        if step not in (self.start + 1, self.total) and now - self.last < PROGRESS_EVERY_S:
-            return
-        self.last = now
-        eta = (now - self.began) / (step - self.start) * (self.total - step)
-        print(
-            f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
-            f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
-            f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {eta / 60:.1f} min",
-            flush=True,
-        )
+        with self.lock:
+            now, self.done = time.perf_counter(), step
+            if step not in (self.start + 1, self.total) and now - self.last < PROGRESS_EVERY_S:
+                return
+            self.last = now
+            print(
+                f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
+                f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
+                f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {self._eta(now) / 60:.1f} min",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.stopped.set()
+
+    def _eta(self, now: float) -> float:
+        """Seconds left at the pace so far (counting the running step as half done, before the first ends)."""
+        steps = max(self.done - self.start, 0.5)
+        return (now - self.began) / steps * (self.total - self.done)
+
+    def _heartbeat(self) -> None:
+        while not self.stopped.wait(PROGRESS_EVERY_S / 6):
+            with self.lock:
+                now = time.perf_counter()
+                if now - self.last < PROGRESS_EVERY_S or self.done >= self.total:
+                    continue
+                self.last = now
+                print(
+                    f"step {self.done + 1}/{self.total} still running ({now - self.began:.0f} s since the start), "
+                    f"ETA {self._eta(now) / 60:.1f} min",
+                    flush=True,
+                )
 
 
 def _plain_grad_norm(engine) -> float | None:
