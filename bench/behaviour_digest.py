@@ -32,11 +32,11 @@ def recipe(root: Path) -> dict:
         "work_dir": str(root / "work"),
         "model": {"name_or_path": str(make_tiny_model(root / "model"))},
         "prompts": {"path": "builtin", "limit": 12, "shuffle_seed": 0, "chat_template": True},
-        "trajectory": {"block_size": 4, "max_new_tokens": 16, "batch_size": 4},
+        "trajectories": {"block_size": 4, "max_new_tokens": 16, "batch_size": 4},
         "prompts_per_shard": 6,
         "ray": {"num_workers": 1},
         "packing": {"strategy": "progressive", "window": 2},
-        "train": {"max_steps": 6, "epochs": 10, "micro_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 3},
+        "training": {"max_steps": 6, "epochs": 10, "micro_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 3},
         "launch": {"processes": 1, "threads_per_process": 1},
         "evaluation": {
             "benchmarks": [{"name": "gsm8k", "limit": 2, "seed": 0}, {"name": "humaneval", "limit": 2, "seed": 0}],
@@ -58,17 +58,17 @@ def _deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not any(t in k for t in TIMING)}
 
 
-def digest(work: Path, evaluation: dict) -> dict:
+def digest(work: Path, table: list[dict]) -> dict:
     trajectories = sorted(work.glob("trajectories/*/shard-*.parquet"))
-    packed_dirs = [p.parent for p in work.glob("packed/*/stats.json")]
+    packed_dirs = [p.parent for p in work.glob("packing/*/stats.json")]
     (packed,) = packed_dirs
-    metrics = [json.loads(line) for line in next(work.glob("train/*/metrics.jsonl")).read_text().splitlines()]
+    metrics = [json.loads(line) for line in next(work.glob("training/*/metrics.jsonl")).read_text().splitlines()]
     return {
         "trajectories": _row_digests(trajectories),
         "packed": _row_digests(sorted(packed.glob("*.parquet"))),
         "packing_stats": _deterministic(json.loads((packed / "stats.json").read_text())),
         "training": [_deterministic(m) for m in metrics],
-        "evaluation": [_deterministic(r) for r in evaluation["table"]],
+        "evaluation": [_deterministic(r) for r in table],
     }
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     from flows.jacobi_forcing import jacobi_forcing
 
     result = jacobi_forcing(recipe(args.root))
-    summary = digest(args.root / "work", result["evaluation"])
+    summary = digest(args.root / "work", result.evaluation.table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: (len(v) if isinstance(v, list) else v) for k, v in summary.items()}, indent=1))

@@ -3,20 +3,20 @@
     python -m bench.campaign --profile smoke                 # tiny random model, about a minute (CI)
     python -m bench.campaign --profile cpu-long              # SmolLM2, CPU, float32, n=16: the learning curve
     python -m bench.campaign --profile gpu                   # SmolLM2, bf16, n=16 -> n=32 curriculum, one GPU
-    python -m bench.campaign --profile gpu --phase train --stage n16    # one phase of one stage
+    python -m bench.campaign --profile gpu --phase training --stage n16    # one phase of one stage
     python -m bench.campaign --profile gpu --flow            # the same recipe through the Prefect flow first
-    python -m bench.campaign --profile cpu-long --set work_dir=/data/run --set train.max_steps=100
+    python -m bench.campaign --profile cpu-long --set work_dir=/data/run --set training.max_steps=100
 
-A profile is a pipeline recipe (`flows/recipe.py`: model, prompts, trajectory, packing, train,
+A profile is a pipeline recipe (`flows/recipe.py`: model, prompts, trajectories, packing, training,
 launch, evaluation, curriculum) plus a `campaign` section (see `CampaignSettings`);
 `--profile NAME` reads `configs/campaign/NAME.yaml`, any other value is a file path.
 
 Phases, in order; `--phase all` (the default) runs every one that is not finished:
-- trajectories, packing, train: per curriculum stage, through the same stage functions the
+- trajectories, packing, training: per curriculum stage, through the same stage functions the
   flow runs (`tasks.trajectories`, `tasks.packing`, `tasks.training` with the DeepSpeed
   launcher). Without Ray they run in this process; without Prefect or MLflow nothing changes.
-- evaluate: the learning curve (the base model, every export the training wrote at
-  `train.export_steps`, and each stage's final model, each decoded with its stage's block
+- evaluation: the learning curve (the base model, every export the training wrote at
+  `training.export_steps`, and each stage's final model, each decoded with its stage's block
   size, speedups against its own HF greedy), then the recipe's evaluation (base vs the last
   stage's model side by side) and the float32 exactness check.
 - report: `report/results.{json,md}` and plots (TPF vs training tokens; speedup vs accuracy).
@@ -39,16 +39,28 @@ from pathlib import Path
 
 import yaml
 
-from flows.recipe import Recipe, StagePlan, load_recipe
+from flows.recipe import Recipe, load_recipe
 from jfcore.config import ConfigError, apply_overrides, from_dict, replace_checked
-from jfcore.eval.benchmarks import BenchmarkConfig
-from jfcore.eval.config import EvalConfig, EvalModel
+from jfcore.contracts import (
+    EXPORT_METADATA,
+    EXPORTS,
+    FINAL,
+    MANIFEST,
+    METRICS,
+    PACKING,
+    SETS,
+    STATS,
+    TRAINING,
+    TRAJECTORIES,
+)
+from jfcore.evaluation.benchmarks import BenchmarkConfig
+from jfcore.evaluation.config import EvalConfig, EvalModel
 from jfcore.models import ModelLoadError, load_tokenizer
-from jfcore.training.checkpoints import EXPORT_METADATA, EXPORTS, FINAL, METRICS
+from tasks.plan import StagePlan
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "configs" / "campaign"
-PHASES = ("trajectories", "packing", "train", "evaluate", "report")
+PHASES = ("trajectories", "packing", "training", "evaluation", "report")
 STATE = "campaign.json"  # per phase: seconds spent, per invocation
 
 
@@ -123,18 +135,16 @@ def run_trajectories(campaign: Campaign, plan: StagePlan, log: Log) -> str:
 
     r = campaign.recipe
     selection = generate_trajectories(
-        plan.model, plan.prompts, plan.trajectory, r.ray, plan.path("trajectories"), r.prompts_per_shard, log=log
+        plan.model, plan.prompts, plan.trajectories, r.ray, plan.path(TRAJECTORIES), r.prompts_per_shard, log=log
     )
     return str(selection)
 
 
 def latest_trajectories(plan: StagePlan) -> Path:
     """The newest trajectory selection file (or finished run folder, as older versions wrote them)."""
-    from tasks.trajectories import SETS
-
-    folder = plan.path("trajectories")
+    folder = plan.path(TRAJECTORIES)
     done = list(folder.glob(f"*/{SETS}/*.json"))
-    done += [p.parent for p in folder.glob("*/manifest.json") if json.loads(p.read_text()).get("complete")]
+    done += [p.parent for p in folder.glob(f"*/{MANIFEST}") if json.loads(p.read_text()).get("complete")]
     if not done:
         raise ConfigError(f"stage {plan.name}: no finished trajectories under {folder}; run --phase trajectories first")
     return max(done, key=lambda p: p.stat().st_mtime)
@@ -143,13 +153,13 @@ def latest_trajectories(plan: StagePlan) -> Path:
 def run_packing(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
     from tasks.packing import pack_trajectories
 
-    trajectories, stats_file = latest_trajectories(plan), plan.path("packed") / "stats.json"
-    made = (trajectories if trajectories.is_file() else trajectories / "manifest.json").stat().st_mtime
+    trajectories, stats_file = latest_trajectories(plan), plan.path(PACKING) / STATS
+    made = (trajectories if trajectories.is_file() else trajectories / MANIFEST).stat().st_mtime
     if stats_file.is_file() and stats_file.stat().st_mtime > made:
         log(f"packed already: {stats_file}")
         return json.loads(stats_file.read_text())
     pad = load_tokenizer(plan.model).pad_token_id
-    stats = pack_trajectories(trajectories, plan.path("packed"), replace_checked(plan.packing, pad_token_id=pad))
+    stats = pack_trajectories(trajectories, plan.path(PACKING), replace_checked(plan.packing, pad_token_id=pad))
     log(
         f"packed {stats['sequences']} sequences, {stats['tokens']} tokens; "
         f"{100 * stats['consistency_share']:.0f}% of blocks carry consistency loss"
@@ -157,14 +167,14 @@ def run_packing(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
     return stats
 
 
-def run_train(campaign: Campaign, plan: StagePlan, log: Log) -> dict:
+def run_training_phase(campaign: Campaign, plan: StagePlan, log: Log) -> None:
     from tasks.training import run_training
 
-    train = campaign.recipe.train_config(plan, str(plan.path("packed")))
+    train = replace_checked(plan.training, data=str(plan.path(PACKING)))
     if (Path(train.output_dir) / FINAL / EXPORT_METADATA).is_file():
         log(f"trained already: {Path(train.output_dir) / FINAL} (delete it to train again)")
-        return {"final_dir": str(Path(train.output_dir) / FINAL)}
-    return run_training(train, campaign.recipe.launch, log=log)
+        return
+    run_training(train, campaign.recipe.launch, log=log)
 
 
 def curve_points(campaign: Campaign) -> list[dict]:
@@ -177,11 +187,11 @@ def curve_points(campaign: Campaign) -> list[dict]:
             "stage": plans[0].name,
             "step": 0,
             "model": r.model,
-            "block_size": plans[0].trajectory.block_size,
+            "block_size": plans[0].trajectories.block_size,
         }
     ]
     for plan in plans:
-        train = plan.path("train")
+        train = plan.path(TRAINING)
         exports = sorted((train / EXPORTS).glob("step-*/config.json")) if (train / EXPORTS).is_dir() else []
         final_steps = None
         if (train / FINAL / EXPORT_METADATA).is_file():
@@ -196,7 +206,7 @@ def curve_points(campaign: Campaign) -> list[dict]:
                     "stage": plan.name,
                     "step": step,
                     "model": replace_checked(r.model, name_or_path=str(folder), gguf_file=None),
-                    "block_size": plan.trajectory.block_size,
+                    "block_size": plan.trajectories.block_size,
                 }
             )
     return points
@@ -248,8 +258,8 @@ def run_evaluate(campaign: Campaign, log: Log) -> dict:
     return results
 
 
-def _summary(result: dict) -> dict:
-    return {"folder": result["folder"], "report": result["report"], "table": result["table"], "exact": result["exact"]}
+def _summary(result) -> dict:
+    return {"folder": result.folder, "report": result.report, "table": result.table, "exact": result.exact}
 
 
 def environment() -> dict:
@@ -295,7 +305,7 @@ def run_report(campaign: Campaign, evaluation: dict, log: Log) -> Path:
 
 def _training_figures(campaign: Campaign, plan: StagePlan) -> dict:
     """Tokens per step and throughput from metrics.jsonl; model FLOPs utilisation on a known accelerator."""
-    path = plan.path("train") / METRICS
+    path = plan.path(TRAINING) / METRICS
     rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
     figures: dict = {
         "steps": len(rows),
@@ -317,7 +327,7 @@ def _parameter_count(plan: StagePlan) -> int | None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    final = plan.path("train") / FINAL
+    final = plan.path(TRAINING) / FINAL
     if not (final / "config.json").is_file():
         return None
     with torch.device("meta"):
@@ -347,18 +357,18 @@ def run(campaign: Campaign, phase: str, stage: str | None, log: Log) -> None:
         from bench.tiny_model import make_tiny_model
 
         log(f"building the tiny model at {make_tiny_model(Path(r.model.name_or_path).expanduser())}")
-    steps = {"trajectories": run_trajectories, "packing": run_packing, "train": run_train}
+    steps = {"trajectories": run_trajectories, "packing": run_packing, "training": run_training_phase}
     chosen = [p for p in PHASES if phase in ("all", p)]
     for plan in plans:  # stage by stage: a curriculum stage starts from the previous stage's model
         for name in (n for n in chosen if n in steps):
             _timed(campaign, f"{name}/{plan.name}", log, steps[name], campaign, plan, log)
-    if "evaluate" in chosen:
-        evaluation = _timed(campaign, "evaluate", log, run_evaluate, campaign, log)
+    if "evaluation" in chosen:
+        evaluation = _timed(campaign, "evaluation", log, run_evaluate, campaign, log)
         (campaign.work_dir / "evaluation.json").write_text(json.dumps(evaluation, indent=1, default=str))
     if "report" in chosen:
         path = campaign.work_dir / "evaluation.json"
         if not path.is_file():
-            raise ConfigError(f"no evaluation results at {path}; run --phase evaluate first")
+            raise ConfigError(f"no evaluation results at {path}; run --phase evaluation first")
         run_report(campaign, json.loads(path.read_text()), log)
 
 
@@ -380,14 +390,14 @@ def run_flow(campaign: Campaign, log: Log) -> None:
     recipe.pop("campaign", None)
     recipe["work_dir"] = str(campaign.work_dir)
     log("running the recipe's stages through the Prefect flow")
-    jacobi_forcing(recipe, stages=["trajectories", "packing", "train"])
+    jacobi_forcing(recipe, stages=["trajectories", "packing", "training"])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", required=True, help="smoke, cpu-long, gpu, or a YAML path")
     parser.add_argument("--phase", default="all", choices=("all", *PHASES))
-    parser.add_argument("--stage", help="only this curriculum stage (trajectories, packing, train)")
+    parser.add_argument("--stage", help="only this curriculum stage (trajectories, packing, training)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile value")
     parser.add_argument(
         "--flow",

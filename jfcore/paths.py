@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jfcore.chat import read_jsonl
 
-# benchmark -> its shared copy under the data dir (jfcore.eval.benchmarks loads these too)
+# benchmark -> its shared copy under the data dir (jfcore.evaluation.benchmarks loads these too)
 EVAL_FILES: dict[str, str] = {
     "humaneval": "eval/humaneval.jsonl.gz",
     "mbpp": "eval/mbpp_sanitized_test.jsonl",

@@ -21,8 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jfcore.atomic import atomic_write
-
-MANIFEST = "manifest.json"
+from jfcore.contracts import MANIFEST
 
 
 @dataclass(frozen=True)

@@ -16,26 +16,8 @@ import pyarrow as pa
 import torch
 
 from jfcore.config import check
+from jfcore.contracts import TRAJECTORY_SCHEMA
 from jfcore.decoding import BlockTrajectory, DecodeConfig, decode
-
-TOKENS = pa.list_(pa.int32())
-
-# The Parquet schema of trajectory shards (documented in README "Trajectory shards").
-TRAJECTORY_SCHEMA = pa.schema(
-    [
-        pa.field("prompt_id", pa.string()),  # stable id of the prompt within its prompt set
-        pa.field("block_index", pa.int32()),  # k: 0 for the block right after the prompt
-        pa.field("block_size", pa.int32()),  # n the trajectory was decoded with
-        pa.field("prompt_length", pa.int32()),  # P: the first P context tokens are the prompt
-        pa.field("context", TOKENS),  # prompt + fixed points of blocks < k
-        pa.field("states", pa.list_(TOKENS)),  # initial draft ... fixed point, each len(fixed_point) long
-        pa.field("fixed_point", TOKENS),  # the greedy continuation of `context`; n tokens except maybe the last block
-        pa.field("first_mismatch", pa.list_(pa.int32())),  # per state: first index != fixed point (len when equal)
-        pa.field("last_block", pa.bool_()),  # the prompt's final block (ended at EOS or max_new_tokens)
-        pa.field("model_fingerprint", pa.string()),
-        pa.field("tokenizer_fingerprint", pa.string()),
-    ]
-)
 
 
 def first_mismatch(state: Sequence[int], fixed_point: Sequence[int]) -> int:

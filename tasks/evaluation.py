@@ -10,11 +10,12 @@ the decoding settings: a changed input never reuses stale samples.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,21 +23,33 @@ import pyarrow.parquet as pq
 
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
-from jfcore.eval.benchmarks import Problem, load_benchmark
-from jfcore.eval.config import DecodingSettings, EvalConfig, EvalModel
-from jfcore.eval.isolation import IsolationUnavailable, require_isolation
-from jfcore.eval.report import ALL, REPORT_FILES, write_report
-from jfcore.eval.runner import SAMPLE_SCHEMA, Evaluator, fingerprints, load_models
+from jfcore.contracts import EVALUATION, REPORT, RUN_FILE, SAMPLE_SCHEMA
+from jfcore.evaluation.benchmarks import Problem, load_benchmark
+from jfcore.evaluation.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.evaluation.isolation import IsolationUnavailable, require_isolation
+from jfcore.evaluation.report import ALL, REPORT_FILES, write_report
+from jfcore.evaluation.runner import Evaluator, fingerprints, load_models
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
 from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
-from tasks.tracking import RUN_FILE, TrackingConfig, client, stage_run
+from tasks.tracking import TrackingConfig, client, stage_run
 
-REPORT = "report"  # the folder, inside the run folder, that write_report fills
 METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    folder: str  # the run folder: sample shards and manifest
+    report: str  # its report folder: results.md, results.json, samples.parquet, plots
+    markdown: str  # the results table
+    table: list[dict]  # one row per (benchmark, model, method)
+    exact: dict  # outputs equal to greedy decoding: {"equal": n, "checked": m}
+    code_isolation: str | None  # how model-written programs ran (None: no code problems)
+    dtypes: dict[str, str]  # model label -> the dtype it was evaluated in
+    mlflow_run_id: str | None = None
 
 
 class EvalWorker:
@@ -64,7 +77,7 @@ def run_evaluation(
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
     progress: Callable[[int, int], None] | None = None,
-) -> dict:
+) -> EvaluationResult:
     """Evaluate (or finish evaluating) every model on every benchmark; returns the table and where it is."""
     ray_config, tracking = ray_config or RayConfig(), tracking or TrackingConfig()
     # Fail in seconds, before Ray starts: unknown benchmark files, missing models or tokenizers.
@@ -110,20 +123,21 @@ def run_evaluation(
         folder, read_manifest(folder) | {"complete": True, "num_problems": len(problems), "code_isolation": isolation}
     )
     log("\n" + report["markdown"])
-    result = {
-        "folder": str(folder),
-        "report": str(folder / REPORT),
-        "markdown": report["markdown"],
-        "table": report["table"],
-        "exact": report["exact"],
-        "code_isolation": isolation,
-        "mlflow_run_id": None,
-    }
+    result = EvaluationResult(
+        str(folder),
+        str(folder / REPORT),
+        report["markdown"],
+        report["table"],
+        report["exact"],
+        isolation,
+        {label: m.model.dtype for label, m in config.models.items()},
+    )
     if tracking.uri:
         datasets = {
             b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name] for b in config.benchmarks
         }
-        result["mlflow_run_id"] = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
+        run_id = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
+        result = dataclasses.replace(result, mlflow_run_id=run_id)
     return result
 
 
@@ -157,7 +171,7 @@ def log_evaluation(
     """The stage's MLflow run: params, the benchmarks (name -> their problems) and the evaluated
     MLflow models as inputs, one metric per table cell, the report folder as artifacts, the table as the
     run's description; and each model with a `model_uri` gets its rows as metrics of its own."""
-    run_id = stage_run(tracking, folder, "evaluate", {"eval": to_dict(config), "ray": to_dict(ray_config)})
+    run_id = stage_run(tracking, folder, EVALUATION, {"evaluation": to_dict(config), "ray": to_dict(ray_config)})
     record = json.loads((folder / RUN_FILE).read_text())
     mlflow = client(tracking)
     if record.get("logged"):  # a rerun of a finished evaluation logs nothing twice
@@ -219,7 +233,7 @@ def _log_results(
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         mlflow.log_batch(run_id, metrics=metrics[start : start + 1000])
     for name in REPORT_FILES:
-        mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path("evaluation", name).parent))
+        mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path(EVALUATION, name).parent))
     mlflow.set_tag(run_id, "mlflow.note.content", report["markdown"])
 
 
@@ -258,25 +272,23 @@ def _bad_input(task, task_run, state) -> bool:
     return False
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_bad_input)
-def evaluate_task(evaluation: dict, ray: dict | None = None, tracking: dict | None = None) -> dict:
-    """Prefect task over `run_evaluation`; the table also becomes a Markdown artifact of the flow run."""
+@task(name=EVALUATION, retries=1, retry_delay_seconds=5, retry_condition_fn=_bad_input)
+def evaluation_task(
+    evaluation: EvalConfig, ray: RayConfig | None = None, tracking: TrackingConfig | None = None
+) -> EvaluationResult:
+    """The stage in a flow; the table also becomes a Markdown artifact of the flow run."""
     from prefect.artifacts import create_markdown_artifact
 
     result = run_evaluation(
-        from_dict(EvalConfig, evaluation, "eval"),
-        from_dict(RayConfig, ray or {}, "ray"),
-        from_dict(TrackingConfig, tracking or {}, "tracking"),
-        log=get_run_logger().info,
-        progress=progress_artifact("evaluation"),
+        evaluation, ray, tracking, log=get_run_logger().info, progress=progress_artifact(EVALUATION)
     )
     create_markdown_artifact(
-        result["markdown"], key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method"
+        result.markdown, key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method"
     )
     return result
 
 
-SECTIONS = {"eval": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
+SECTIONS = {"evaluation": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,13 +297,10 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.",
         SECTIONS,
-        lambda c: run_evaluation(c["eval"], c["ray"], c["tracking"]),
+        lambda c: run_evaluation(c["evaluation"], c["ray"], c["tracking"]),
         (ConfigError, ModelLoadError, FileNotFoundError, IsolationUnavailable),
     )
-    print(
-        f"\nreport: {result['report']}"
-        + (f"\nMLflow run: {result['mlflow_run_id']}" if result["mlflow_run_id"] else "")
-    )
+    print(f"\nreport: {result.report}" + (f"\nMLflow run: {result.mlflow_run_id}" if result.mlflow_run_id else ""))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,41 @@
-"""Packing: the trajectories a selection file names into noise-scheduled training sequences."""
+"""The packing stage: the trajectories a selection file names into noise-scheduled training sequences.
+
+Its folder is `packing/<digest of the selected shards and the packing settings>`, reused while its
+files verify (stats.json present and every shard it lists readable, with the rows it says).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jfcore.config import from_dict
+from jfcore.config import ConfigError
+from jfcore.contracts import MANIFEST, PACKING, STATS, Selection
 from jfcore.packing import PackingConfig, PackingError, pack_shards
-from jfcore.shards import MANIFEST
+from jfcore.shards import run_key
 from tasks.orchestration import get_run_logger, task
+from tasks.plan import StagePlan
+from tasks.tracking import TrackingConfig, record_stage
 
-STATS = "stats.json"  # written last: a packed folder without it is unfinished
+
+@dataclass(frozen=True)
+class PackingResult:
+    folder: str  # the packed shards and stats.json: the training stage's data
+    stats: dict  # stats.json: sequences, tokens, the noise-level histogram, ...
+    reused: bool  # an earlier run had packed the same trajectories with the same settings
 
 
 def pack_trajectories(trajectories: str | Path, out_dir: str | Path, config: PackingConfig) -> dict:
-    """Pack a trajectory selection file (the trajectory stage's output) or a whole finished run folder;
+    """Pack a trajectory selection file (the trajectories stage's output) or a whole finished run folder;
     returns the packing statistics."""
     source = Path(trajectories)
     if source.is_file():  # a selection: these prompts of these shards of a store
-        selection = json.loads(source.read_text())
-        store = Path(selection["store"])
-        files = {str(store / name): ids for name, ids in selection["shards"].items()}
+        files = Selection.read(source).files()
         return pack_shards(list(files), out_dir, config, select=files).as_dict()
     manifest = source / MANIFEST
     if manifest.is_file() and not json.loads(manifest.read_text()).get("complete"):
@@ -52,14 +64,33 @@ def packed_problem(folder: str | Path) -> str | None:
     )
 
 
-@task(name="pack-trajectories")
-def pack_trajectories_task(trajectories: str, out_dir: str, packing: dict) -> dict:
-    """Prefect task over `pack_trajectories`; the config is plain data, checked strictly."""
-    stats = pack_trajectories(trajectories, out_dir, from_dict(PackingConfig, packing, "packing"))
-    get_run_logger().info(
-        "packed %d sequences, %d tokens; %.0f%% of blocks carry consistency loss",
-        stats["sequences"],
-        stats["tokens"],
-        100 * stats["consistency_share"],
-    )
-    return stats
+def packing_stage(
+    plan: StagePlan, selection: str, run: bool = True, log: Callable[[str], None] = print
+) -> PackingResult:
+    """Pack the selection into its folder unless a verified one exists; skipped (`run` false), it must."""
+    chosen = Selection.read(selection)
+    folder = plan.path(PACKING) / run_key(store=chosen.store, shards=chosen.shards, packing=asdict(plan.packing))
+    problem = packed_problem(folder)
+    if problem is None:
+        log(f"packing: reused {folder} (complete; its files verify)")
+    elif run:
+        log(f"packing: {problem}; packing")
+        stats = pack_trajectories(selection, folder, plan.packing)
+        log(
+            f"packed {stats['sequences']} sequences, {stats['tokens']} tokens; "
+            f"{100 * stats['consistency_share']:.0f}% of blocks carry consistency loss"
+        )
+    else:
+        raise ConfigError(f"stage 'packing' skipped, but {problem}; include 'packing'")
+    return PackingResult(str(folder), json.loads((folder / STATS).read_text()), reused=problem is None)
+
+
+@task(name=PACKING)
+def packing_task(plan: StagePlan, selection: str, tracking: TrackingConfig, run: bool = True) -> PackingResult:
+    """The stage in a flow, recorded in MLflow (settings, figures, stats.json) when it runs."""
+    result = packing_stage(plan, selection, run, get_run_logger().info)
+    if run and tracking.uri:
+        figures = {k: v for k, v in result.stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        params = {"packing": asdict(plan.packing), "trajectories": selection, "folder": result.folder}
+        record_stage(tracking, plan.run_name(PACKING), PACKING, params, figures, [Path(result.folder) / STATS])
+    return result

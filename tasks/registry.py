@@ -17,17 +17,42 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jfcore.atomic import atomic_write
-from jfcore.config import check, from_dict
-from jfcore.eval.report import ALL
+from jfcore.config import check
+from jfcore.contracts import REGISTRY
+from jfcore.evaluation.report import ALL
 from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client
+
+if TYPE_CHECKING:  # the registry's configs load without the evaluation and training stacks
+    from tasks.evaluation import EvaluationResult
+    from tasks.training import TrainingResult
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 TAG = "jacobi_forcing.eval."  # model version tags holding the gate's figures
 DECISION, REASON = "jacobi_forcing.gate.decision", "jacobi_forcing.gate.reason"
 PROMOTED, REJECTED = "promoted", "rejected"
+
+
+@dataclass(frozen=True)
+class RegistryResult:
+    version: str  # the version the gate judged
+    promoted: bool
+    reason: str  # the gate's figures, in one line
+    champion: str | None  # the champion's version afterwards
+
+
+@dataclass(frozen=True)
+class Champion:
+    version: str
+    checkpoint: str  # its HF checkpoint folder, downloaded once
+    model_uri: str
+
+    def rivals(self, trained: TrainingResult) -> tuple[str, str] | None:
+        """(checkpoint, model URI) to evaluate beside the trained model, unless that is the champion itself."""
+        return None if trained.version == self.version else (self.checkpoint, self.model_uri)
 
 
 @dataclass(frozen=True)
@@ -103,7 +128,7 @@ def promote(
     champion: str | None,
     float32: bool,
     log: Callable[[str], None] = print,
-) -> dict:
+) -> RegistryResult:
     """Tag `version` with its figures and the gate's decision, make it the challenger, and the champion if it
     passes against `champion` (the current champion's version, evaluated in `table` as `champion`)."""
     name, mlflow = tracking.registered_model, client(tracking)
@@ -126,7 +151,7 @@ def promote(
         log(f"gate: v{version} promoted to {CHAMPION}: {reason}")
     else:
         log(f"gate: v{version} stays {CHALLENGER}, {reason}")
-    return {"version": version, "promoted": passed, "reason": reason, CHAMPION: version if passed else champion}
+    return RegistryResult(version, passed, reason, version if passed else champion)
 
 
 def champion_version(tracking: TrackingConfig) -> str | None:
@@ -159,17 +184,32 @@ def fetch_version(tracking: TrackingConfig, version: str, cache: Path) -> Path:
     return checkpoint
 
 
-@task(name="register")
-def register_task(
-    tracking: dict, version: str, table: list[dict], gate: dict, champion: str | None, float32: bool
-) -> dict:
-    """Prefect task over `promote`."""
-    return promote(
-        from_dict(TrackingConfig, tracking, "tracking"),
-        version,
-        table,
-        from_dict(GateConfig, gate, "gate"),
-        champion,
-        float32,
-        log=get_run_logger().info,
-    )
+def current_champion(tracking: TrackingConfig, work_dir: Path) -> Champion | None:
+    """The registry's champion, downloaded into work_dir/registry (for retraining from it and for the gate's
+    evaluation); None without a registry or a champion."""
+    if not tracking.registry:
+        return None
+    version = champion_version(tracking)
+    if version is None:
+        return None
+    checkpoint = fetch_version(tracking, version, work_dir / REGISTRY)
+    return Champion(version, str(checkpoint), f"models:/{tracking.registered_model}/{version}")
+
+
+@task(name=REGISTRY)
+def registry_task(
+    tracking: TrackingConfig,
+    gate: GateConfig,
+    trained: TrainingResult,
+    evaluation: EvaluationResult,
+    champion: Champion | None,
+) -> RegistryResult | None:
+    """The stage in a flow: judge the trained version on the evaluation against the champion it was evaluated
+    beside (or the base model)."""
+    log = get_run_logger()
+    if trained.version is None:
+        log.warning("stage 'registry' skipped: the training stage registered no model version")
+        return None
+    rival = champion.version if champion and champion.rivals(trained) else None
+    float32 = evaluation.dtypes.get("trained") == "float32"
+    return promote(tracking, trained.version, evaluation.table, gate, rival, float32, log=log.info)

@@ -6,12 +6,12 @@ import json
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Self
 
 from jfcore.atomic import atomic_write
-from jfcore.config import check
-from jfcore.training.checkpoints import EXPORT_METADATA
+from jfcore.config import check, replace_checked
+from jfcore.contracts import EXPORT_METADATA, RUN_FILE
 
-RUN_FILE = "mlflow_run.json"  # in a stage's output folder: the run a resumed stage keeps logging to
 PARAM_LIMIT = 6000  # MLflow's longest param value
 # What loading a logged model needs besides the jfcore code stored with it.
 REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "numpy", "pyyaml", "gguf", "pyarrow")
@@ -28,6 +28,11 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         check(self.uri is None or bool(self.uri), "TrackingConfig.uri: empty; leave it out to disable tracking")
         check(bool(self.experiment), "TrackingConfig.experiment: must not be empty")
+
+    @property
+    def registry(self) -> bool:
+        """Whether trained models are registered (and judged by the gate)."""
+        return bool(self.uri and self.registered_model)
 
 
 def client(config: TrackingConfig):
@@ -162,7 +167,9 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
     return model
 
 
-def record_stage(config: TrackingConfig, stage: str, params: dict, metrics: dict, artifacts: list[Path]) -> str:
+def record_stage(
+    config: TrackingConfig, run_name: str, stage: str, params: dict, metrics: dict, artifacts: list[Path]
+) -> str:
     """A finished MLflow run for a stage that keeps no run of its own (the data stages): its settings,
     figures and files, nested under `config.parent_run_id`."""
     import math
@@ -170,7 +177,7 @@ def record_stage(config: TrackingConfig, stage: str, params: dict, metrics: dict
 
     from mlflow.entities import Metric
 
-    run_id = new_run(config, stage, params, {"jacobi_forcing.stage": stage})
+    run_id = new_run(config, run_name, params, {"jacobi_forcing.stage": stage})
     now = int(time.time() * 1000)
     values = [Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(float(v))]
     mlflow = client(config)
@@ -179,3 +186,24 @@ def record_stage(config: TrackingConfig, stage: str, params: dict, metrics: dict
         mlflow.log_artifact(run_id, str(path), artifact_path=stage)
     mlflow.set_terminated(run_id, "FINISHED")
     return run_id
+
+
+class ParentRun:
+    """The flow run's MLflow run, which the stages' runs nest under (`tracking`); FAILED if the flow raises.
+    Without a tracking URI it is nothing, and `tracking` is the recipe's."""
+
+    def __init__(self, config: TrackingConfig, name: str, params: dict, tags: dict):
+        self.config, self.run_id = config, new_run(config, name, params, tags) if config.uri else None
+        # the recipe's run_name names this run; the nested runs are named by their stage
+        self.tracking = replace_checked(config, parent_run_id=self.run_id, run_name=None) if self.run_id else config
+
+    def describe(self, markdown: str) -> None:
+        if self.run_id:
+            client(self.config).set_tag(self.run_id, "mlflow.note.content", markdown)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if self.run_id:
+            client(self.config).set_terminated(self.run_id, "FAILED" if error_type else "FINISHED")

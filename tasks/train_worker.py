@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jfcore.config import from_dict
-from jfcore.training.checkpoints import FAILURE_PREFIX
+from jfcore.contracts import FAILURE_PREFIX
 from jfcore.training.config import TrainConfig
 from jfcore.training.loop import train
 from tasks.tracking import TrackingConfig, metric_logger
@@ -21,7 +21,7 @@ from tasks.tracking import TrackingConfig, metric_logger
 def main(argv: list[str]) -> None:
     faulthandler.enable()  # a native crash (SIGABRT, SIGSEGV) still shows where Python was
     launch = json.loads(Path(argv[0]).read_text())
-    config = from_dict(TrainConfig, launch["train"], "train")
+    config = from_dict(TrainConfig, launch["training"], "training")
     on_metrics = None
     if launch.get("run_id") and os.environ.get("RANK", "0") == "0":
         on_metrics = metric_logger(from_dict(TrackingConfig, launch["tracking"], "tracking"), launch["run_id"])

@@ -1,17 +1,23 @@
 """The training stage: a multi-process DeepSpeed job launched with torchrun, tracked in MLflow.
 
-`run_training` is a plain function; `train_task` is the same as a Prefect task.
-One process per visible GPU, or `processes` CPU processes over gloo. A failed or
-killed job leaves its checkpoints: running the stage again resumes from the
-newest complete one, logging into the same MLflow run.
+`run_training` trains into one run folder; `training_stage` picks that folder
+(`training/<digest of the settings, launch, data and model>`, `training/latest`
+naming the newest) and reuses a finished run whose export verifies;
+`training_task` is the stage as a Prefect task. One process per visible GPU, or
+`processes` CPU processes over gloo. A failed or killed job leaves its
+checkpoints: running the stage again resumes from the newest complete one,
+logging into the same MLflow run.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,34 +30,57 @@ from pathlib import Path
 import torch
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, check, from_dict, replace_checked, to_dict
-from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
-from jfcore.training.checkpoints import (
+from jfcore.config import ConfigError, check, replace_checked, to_dict
+from jfcore.contracts import (
     CHECKPOINTS,
     DEEPSPEED_CONFIG,
     FAILURE_PREFIX,
     FINAL,
+    LATEST,
+    LAUNCH_FILE,
+    LAUNCH_LOG,
     METRICS,
-    complete_checkpoints,
-    read_metrics,
+    TRAINING,
 )
+from jfcore.models import ModelLoadError, load_tokenizer, source_fingerprint, tokenizer_fingerprint, with_absolute_path
+from jfcore.shards import run_key
+from jfcore.training.checkpoints import complete_checkpoints, export_problem, read_metrics, write_export_sums
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError, packing_stats
 from jfcore.training.loop import PROGRESS_LINE, deepspeed_config
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
 from tasks.orchestration import get_run_logger, progress_artifact, task
+from tasks.plan import StagePlan
 from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
-LAUNCH_FILE = "launch.json"
-LAUNCH_LOG = "launch.log"  # every line the training processes printed, across launches
 # torchrun's own post-mortem starts here; the lines before it are the ranks' (the real cause)
 POST_MORTEM = "torch/distributed/elastic/multiprocessing/api.py"
 
 
 class TrainingFailed(RuntimeError):
     """The training processes exited with an error."""
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    folder: str  # the training run's folder (jfcore.training.checkpoints)
+    model: dict | None  # what MLflow logged: model_uri, registered_model, version; None without tracking
+    reused: bool  # a finished run with these settings was reused: nothing was trained
+    metrics: dict  # the last optimizer step's record
+    mlflow_run_id: str | None = None
+
+    @property
+    def final(self) -> str:
+        """The trained model: a plain HF checkpoint."""
+        return str(Path(self.folder) / FINAL)
+
+    @property
+    def version(self) -> str | None:
+        """Its registered version, if it was registered."""
+        version = (self.model or {}).get("version")
+        return None if version is None else str(version)
 
 
 @dataclass(frozen=True)
@@ -90,7 +119,7 @@ def run_training(
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
     progress: Callable[[int, int], None] | None = None,
-) -> dict:
+) -> TrainingResult:
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
     launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
     train = _absolute_paths(train)  # the processes must read the same files, whatever their working folder
@@ -102,10 +131,10 @@ def run_training(
     out.mkdir(parents=True, exist_ok=True)
     run_id = None
     if tracking.uri:
-        params = {"train": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
-        run_id = stage_run(tracking, out, "train", params)
+        params = {"training": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
+        run_id = stage_run(tracking, out, TRAINING, params)
     launch_file = out / LAUNCH_FILE
-    content = {"train": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}
+    content = {"training": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}
     atomic_write(launch_file, lambda tmp: tmp.write_text(json.dumps(content, indent=2)))
     resumed = complete_checkpoints(out / CHECKPOINTS)
     log(f"training into {out}" + (f", resuming from {resumed[-1]}" if resumed and train.resume else ""))
@@ -116,25 +145,21 @@ def run_training(
             client(tracking).set_terminated(run_id, "FAILED")  # a rerun resumes it: RUNNING again
         raise
 
-    result = {"final_dir": str(out / FINAL), "mlflow_run_id": run_id, "metrics": _last_metrics(out / METRICS)}
+    model = None
     if run_id:
-        result["model"] = logged_model(out)
-        if result["model"] is None:
+        model = logged_model(out)
+        if model is None:
             mlflow = client(tracking)
             for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE, LAUNCH_LOG):
-                mlflow.log_artifact(run_id, str(out / name), artifact_path="training")
-            result["model"] = log_model_by_path(tracking, run_id, out / "final", out)  # ends the run: FINISHED
+                mlflow.log_artifact(run_id, str(out / name), artifact_path=TRAINING)
+            model = log_model_by_path(tracking, run_id, out / FINAL, out)  # ends the run: FINISHED
         else:
             client(tracking).set_terminated(run_id, "FINISHED")
-        log(
-            f"model in MLflow run {run_id}: {result['model']['model_uri']}"
-            + (
-                f", registered as {tracking.registered_model} v{result['model']['version']}"
-                if tracking.registered_model
-                else ""
-            )
+        registered = (
+            f", registered as {tracking.registered_model} v{model['version']}" if tracking.registered_model else ""
         )
-    return result
+        log(f"model in MLflow run {run_id}: {model['model_uri']}{registered}")
+    return TrainingResult(str(out), model, reused=False, metrics=_last_metrics(out / METRICS), mlflow_run_id=run_id)
 
 
 def _absolute_paths(train: TrainConfig) -> TrainConfig:
@@ -242,19 +267,80 @@ def _processes_failed(task, task_run, state) -> bool:
     return False
 
 
-@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_processes_failed)
-def train_task(train: dict, launch: dict | None = None, tracking: dict | None = None) -> dict:
-    """Prefect task over `run_training`; the configs are plain data, checked strictly."""
-    return run_training(
-        from_dict(TrainConfig, train, "train"),
-        from_dict(LaunchConfig, launch or {}, "launch"),
-        from_dict(TrackingConfig, tracking or {}, "tracking"),
-        log=get_run_logger().info,
-        progress=progress_artifact("training"),
+def training_stage(
+    plan: StagePlan,
+    data: str,
+    launch: LaunchConfig,
+    tracking: TrackingConfig,
+    run: bool = True,
+    resume: bool = True,
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+) -> TrainingResult:
+    """Train the stage's model on `data` (a packed folder) into `training/<key>`, reusing a finished run whose
+    export verifies; `resume` false starts a new `training/<key>.<n>`. Skipped (`run` false), the newest run
+    (`training/latest`) must hold a trained model."""
+    if not run:
+        folder = (plan.path(TRAINING) / LATEST).resolve()
+        if not (folder / FINAL / "config.json").is_file():
+            raise ConfigError(
+                f"stage 'training' skipped, but there is no trained model at {folder / FINAL}; include 'training'"
+            )
+        return TrainingResult(str(folder), logged_model(folder), reused=True, metrics=_last_metrics(folder / METRICS))
+    train = replace_checked(plan.training, data=data, resume=True)  # a new folder has nothing to resume
+    folder = _run_folder(plan.path(TRAINING), train, launch, source_fingerprint(plan.model), resume)
+    _point_latest(folder)
+    train = replace_checked(train, output_dir=str(folder))
+    problem, logged = export_problem(folder), logged_model(folder)
+    if problem is None and (logged or not tracking.uri):
+        log(f"training: reused {folder} (finished; its export verifies)")
+        return TrainingResult(str(folder), logged, reused=True, metrics=_last_metrics(folder / METRICS))
+    if problem and (folder / FINAL).exists():
+        log(f"training: {problem}; exporting again from the newest checkpoint")
+        shutil.rmtree(folder / FINAL)
+    if tracking.uri and not tracking.run_name:
+        tracking = replace_checked(tracking, run_name=plan.run_name(TRAINING))
+    result = run_training(train, launch, tracking, log, progress)
+    write_export_sums(folder)
+    return result
+
+
+def _run_folder(root: Path, train: TrainConfig, launch: LaunchConfig, model_fingerprint: str, resume: bool) -> Path:
+    """`<root>/<key>` for these settings: the newest such run when resuming, a new `<key>.<n>` otherwise."""
+    identity = {k: v for k, v in to_dict(train).items() if k not in ("output_dir", "resume")}
+    key = run_key(
+        train=identity,
+        model=model_fingerprint,
+        processes=launch.processes,
+        deepspeed=load_deepspeed_config(launch.deepspeed_config),
     )
+    runs = sorted(
+        (int(m.group(1) or 1), p) for p in root.glob(f"{key}*") if (m := re.fullmatch(rf"{key}(?:\.(\d+))?", p.name))
+    )
+    if runs and (resume or not any(runs[-1][1].iterdir())):
+        return runs[-1][1]
+    n = runs[-1][0] + 1 if runs else 1
+    return root / (key if n == 1 else f"{key}.{n}")
 
 
-SECTIONS = {"train": TrainConfig, "launch": LaunchConfig, "tracking": TrackingConfig}
+def _point_latest(folder: Path) -> None:
+    """training/latest -> folder, replaced atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link, tmp = folder.parent / LATEST, folder.parent / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(folder.name)
+    os.replace(tmp, link)
+
+
+@task(name=TRAINING, retries=1, retry_delay_seconds=5, retry_condition_fn=_processes_failed)
+def training_task(
+    plan: StagePlan, data: str, launch: LaunchConfig, tracking: TrackingConfig, run: bool = True, resume: bool = True
+) -> TrainingResult:
+    """The stage in a flow; a retry (only when the processes died) resumes from the newest checkpoint."""
+    return training_stage(plan, data, launch, tracking, run, resume, get_run_logger().info, progress_artifact(TRAINING))
+
+
+SECTIONS = {"training": TrainConfig, "launch": LaunchConfig, "tracking": TrackingConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,10 +349,10 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         "Distill a model on packed Jacobi trajectories with DeepSpeed.",
         SECTIONS,
-        lambda c: run_training(c["train"], c["launch"], c["tracking"]),
+        lambda c: run_training(c["training"], c["launch"], c["tracking"]),
         (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed),
     )
-    print(json.dumps(result, indent=2, default=str))
+    print(json.dumps(dataclasses.asdict(result), indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -8,20 +8,20 @@ appended prompts cost only themselves, an unchanged prompt set starts no worker.
 Shards are spread over the workers and added to the manifest as they land: a
 killed worker is restarted by Ray and its shard redone; a killed run loses only
 the shards in flight. The stage's output is a selection file in the store
-(`sets/<prompt set fingerprint>.json`): which shard holds which prompt of this set.
+(`sets/<prompt set fingerprint>.json`, a jfcore.contracts.Selection): which shard
+holds which prompt of this set.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jfcore.atomic import atomic_write
-from jfcore.config import from_dict
+from jfcore.config import ConfigError, from_dict
+from jfcore.contracts import SETS, TRAJECTORIES, Selection
 from jfcore.models import (
     ModelConfig,
     load_model,
@@ -34,9 +34,9 @@ from jfcore.prompts import PromptSet, PromptSource, encode_prompts
 from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
 from tasks.orchestration import get_run_logger, progress_artifact, task
+from tasks.plan import StagePlan
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
-
-SETS = "sets"  # in a store: one selection file per prompt set
+from tasks.tracking import TrackingConfig, record_stage
 
 
 class TrajectoryWorker:
@@ -60,6 +60,15 @@ class TrajectoryWorker:
     def run(self, spec: ShardSpec, ids: list[str], prompts: list[list[int]], keys: list[str], folder: str):
         table = decode_trajectories(self.model, ids, prompts, self.config, self.model_fp, self.tokenizer_fp)
         return write_shard(table, Path(folder), spec, len(prompts), tuple(keys))
+
+
+@dataclass(frozen=True)
+class TrajectoriesResult:
+    selection: str  # the selection file: the stage's output
+    ran: bool  # False: the stage was skipped and an earlier run's selection is used
+
+    def read(self) -> Selection:
+        return Selection.read(self.selection)
 
 
 def generate_trajectories(
@@ -91,106 +100,126 @@ def generate_trajectories(
         f"store {store}"
     )
     if todo:
+        job = _Job(model, trajectory, store, prompt_set, keys, todo, tokenizer_fp)
         with ray_session(ray_config):
-            held |= _decode(
-                model,
-                prompt_set,
-                keys,
-                todo,
-                tokenizer_fp,
-                trajectory,
-                ray_config,
-                store,
-                prompts_per_shard,
-                log,
-                progress,
-            )
+            held |= _decode(job, ray_config, prompts_per_shard, log, progress)
     return _write_selection(store, prompt_set, keys, held, reused=len(keys) - len(todo))
 
 
-def _decode(
-    model,
-    prompt_set: PromptSet,
-    keys,
-    todo,
-    tokenizer_fp,
-    trajectory,
-    ray_config,
-    store,
-    prompts_per_shard,
-    log,
-    progress,
-) -> dict[str, str]:
-    """Decode the prompts `todo` (indices into the set) into new shards; returns their key -> shard name."""
-    workers = start_workers(TrajectoryWorker, ray_config, asdict(model), asdict(trajectory))
+@dataclass(frozen=True)
+class _Job:
+    """The prompts `todo` (indices into the set) to decode into new shards of `store`."""
+
+    model: ModelConfig
+    trajectory: TrajectoryConfig
+    store: Path
+    prompt_set: PromptSet
+    keys: list[str]
+    todo: list[int]
+    tokenizer_fp: str
+
+
+def _decode(job: _Job, ray_config: RayConfig, prompts_per_shard: int, log, progress) -> dict[str, str]:
+    """Decode the job's prompts into new shards; returns their key -> shard name."""
+    workers = start_workers(TrajectoryWorker, ray_config, asdict(job.model), asdict(job.trajectory))
     model_fp, worker_tokenizer_fp = get(workers[0].fingerprints.remote())
     log(f"{len(workers)} workers ready (pids {get([w.pid.remote() for w in workers])})")
-    if worker_tokenizer_fp != tokenizer_fp:
+    if worker_tokenizer_fp != job.tokenizer_fp:
         raise RuntimeError("the workers loaded a different tokenizer than the driver; check the model path")
     settings = {
-        "model": asdict(model),
+        "model": asdict(job.model),
         "model_fingerprint": model_fp,
-        "tokenizer_fingerprint": tokenizer_fp,
-        "trajectory": asdict(trajectory),
+        "tokenizer_fingerprint": job.tokenizer_fp,
+        "trajectory": asdict(job.trajectory),
     }
-    manifest = read_manifest(store)
+    manifest = read_manifest(job.store)
     recorded = manifest.get("settings", {}).get("model_fingerprint")
     if recorded not in (None, model_fp):
         raise RuntimeError(
-            f"{store} holds trajectories of weights {recorded}, but the files it was named after now "
+            f"{job.store} holds trajectories of weights {recorded}, but the files it was named after now "
             f"load as {model_fp}; move the store away (its files were rewritten in place?)"
         )
     names = [int(m.group(1)) for name in manifest["shards"] if (m := re.match(r"shard-(\d+)", name))]
-    specs = plan_shards(len(todo), prompts_per_shard, first_index=max(names, default=-1) + 1)
+    specs = plan_shards(len(job.todo), prompts_per_shard, first_index=max(names, default=-1) + 1)
 
     def submit(worker, spec: ShardSpec):
-        chosen = todo[spec.start : spec.stop]
+        chosen = job.todo[spec.start : spec.stop]
         return worker.run.remote(
             spec,
-            [prompt_set.ids[i] for i in chosen],
-            [prompt_set.token_ids[i] for i in chosen],
-            [keys[i] for i in chosen],
-            str(store),
+            [job.prompt_set.ids[i] for i in chosen],
+            [job.prompt_set.token_ids[i] for i in chosen],
+            [job.keys[i] for i in chosen],
+            str(job.store),
         )
 
-    fill_shards(store, specs, workers, submit, settings, log, progress)
-    return {keys[i]: spec.name for spec in specs for i in todo[spec.start : spec.stop]}
+    fill_shards(job.store, specs, workers, submit, settings, log, progress)
+    return {job.keys[i]: spec.name for spec in specs for i in job.todo[spec.start : spec.stop]}
 
 
 def _write_selection(store: Path, prompt_set: PromptSet, keys: list[str], held: dict[str, str], reused: int) -> Path:
     shards: dict[str, list[str]] = {}
     for prompt_id, key in zip(prompt_set.ids, keys):
         shards.setdefault(held[key], []).append(prompt_id)
-    selection = {
-        "complete": True,
-        "store": str(store),
-        "prompts_fingerprint": prompt_set.fingerprint(),
-        "num_prompts": len(keys),
-        "skipped_too_long": prompt_set.skipped_too_long,
-        "reused": reused,
-        "decoded": len(keys) - reused,
-        "shards": dict(sorted(shards.items())),
-        "settings": read_manifest(store).get("settings", {}),
-    }
+    selection = Selection(
+        store=str(store),
+        prompts_fingerprint=prompt_set.fingerprint(),
+        num_prompts=len(keys),
+        skipped_too_long=prompt_set.skipped_too_long,
+        reused=reused,
+        decoded=len(keys) - reused,
+        shards=dict(sorted(shards.items())),
+        settings=read_manifest(store).get("settings", {}),
+    )
     path = store / SETS / f"{prompt_set.fingerprint()}.json"
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(selection, indent=1)))
+    selection.write(path)
     return path
 
 
-@task(name="generate-trajectories", retries=1, retry_delay_seconds=5)
-def generate_trajectories_task(
-    model: dict, prompts: dict, trajectory: dict, ray: dict, out_dir: str, prompts_per_shard: int = 64
-) -> str:
-    """Prefect task over `generate_trajectories`: configs as plain data, checked strictly; a retry resumes.
-    Returns the selection file's path."""
-    folder = generate_trajectories(
-        from_dict(ModelConfig, model, "model"),
-        from_dict(PromptSource, prompts, "prompts"),
-        from_dict(TrajectoryConfig, trajectory, "trajectory"),
-        from_dict(RayConfig, ray, "ray"),
-        out_dir,
+def newest_selection(folder: Path) -> Path:
+    """The newest selection file under a stage's trajectories/ folder: what a skipped stage hands on."""
+    found = list(folder.glob(f"*/{SETS}/*.json"))
+    if not found:
+        raise ConfigError(f"stage 'trajectories' skipped, but {folder} holds no finished run; include 'trajectories'")
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+@task(name=TRAJECTORIES, retries=1, retry_delay_seconds=5)
+def trajectories_task(
+    plan: StagePlan, ray: RayConfig, prompts_per_shard: int, tracking: TrackingConfig, run: bool = True
+) -> TrajectoriesResult:
+    """The stage in a flow: decode what the store lacks (a retry resumes) and record it in MLflow; or, when
+    skipped (`run` false), hand on the newest earlier selection."""
+    log = get_run_logger().info
+    if plan.label:
+        log(f"curriculum stage {plan.label}: block size {plan.trajectories.block_size}, from {plan.model.name_or_path}")
+    if not run:
+        return TrajectoriesResult(str(newest_selection(plan.path(TRAJECTORIES))), ran=False)
+    selection = generate_trajectories(
+        plan.model,
+        plan.prompts,
+        plan.trajectories,
+        ray,
+        plan.path(TRAJECTORIES),
         prompts_per_shard,
-        log=get_run_logger().info,
-        progress=progress_artifact("trajectories"),
+        log=log,
+        progress=progress_artifact(TRAJECTORIES),
     )
-    return str(folder)
+    result = TrajectoriesResult(str(selection), ran=True)
+    if tracking.uri:
+        chosen = result.read()
+        params = {
+            "model": asdict(plan.model),
+            "prompts": asdict(plan.prompts),
+            "trajectories": asdict(plan.trajectories),
+            "ray": asdict(ray),
+            "store": chosen.store,
+        }
+        figures = {
+            "prompts": chosen.num_prompts,
+            "skipped_too_long": chosen.skipped_too_long,
+            "reused_prompts": chosen.reused,
+            "decoded_prompts": chosen.decoded,
+            "shards": len(chosen.shards),
+        }
+        record_stage(tracking, plan.run_name(TRAJECTORIES), TRAJECTORIES, params, figures, [selection])
+    return result

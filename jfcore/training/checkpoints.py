@@ -4,6 +4,7 @@
       checkpoints/step-NNNNNNN/   DeepSpeed checkpoints; `jf_complete.json` once every rank has saved one
       exports/step-NNNNNNN/       plain HF checkpoints at TrainConfig.export_steps
       final/                      the exported model: a plain HF checkpoint, its tokenizer, jacobi_forcing.json
+      export.json                 checksums of final/'s files (the training stage writes them once it is done)
       metrics.jsonl               one record per optimizer step
       deepspeed_config.json       the DeepSpeed config the engine ran with
       failure-rank<N>.txt         why a training process stopped
@@ -25,15 +26,17 @@ import torch
 import torch.distributed as dist
 
 from jfcore.atomic import atomic_write, fsync_dir, fsync_tree
-
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
-FINAL = "final"
-EXPORTS = "exports"
-DEEPSPEED_CONFIG = "deepspeed_config.json"
-FAILURE_PREFIX = "failure-"
-COMPLETE = "jf_complete.json"
-EXPORT_METADATA = "jacobi_forcing.json"  # in an export: the training config, steps and block size
+from jfcore.contracts import (
+    CHECKPOINTS,
+    COMPLETE,
+    DEEPSPEED_CONFIG,
+    EXPORT_METADATA,
+    EXPORT_SUMS,
+    EXPORTS,
+    FINAL,
+    METRICS,
+)
+from jfcore.shards import file_sha256
 
 
 class ResumeError(RuntimeError):
@@ -217,3 +220,20 @@ def export(engine, tokenizer, final: Path, metadata: dict) -> None:
             staging.rename(final)
             fsync_dir(final.parent)
     dist.barrier()
+
+
+def export_problem(out: Path) -> str | None:
+    """Why `out`'s final export cannot be reused (None when it can): missing, or not what was exported."""
+    final, sums = out / FINAL, out / EXPORT_SUMS
+    if not (final / "config.json").is_file() or not sums.is_file():
+        return f"{out} has no finished export"
+    recorded = json.loads(sums.read_text())
+    present = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file()}
+    changed = [name for name, digest in recorded.items() if name not in present or file_sha256(final / name) != digest]
+    return f"the export in {final} changed since training ({', '.join(sorted(changed))})" if changed else None
+
+
+def write_export_sums(out: Path) -> None:
+    final = out / FINAL
+    sums = {p.relative_to(final).as_posix(): file_sha256(p) for p in sorted(final.rglob("*")) if p.is_file()}
+    atomic_write(out / EXPORT_SUMS, lambda tmp: tmp.write_text(json.dumps(sums, indent=1)))

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jfcore.contracts import STATS
+
 
 class TrainingDataError(ValueError):
     """The packed data cannot be trained on as configured."""
@@ -19,7 +21,7 @@ class TrainingDataError(ValueError):
 def packing_stats(folder: str | Path, tokenizer_fingerprint: str | None = None) -> dict:
     """The stats.json of a finished packing output, checked against the model's tokenizer."""
     folder = Path(folder)
-    stats_file = folder / "stats.json"
+    stats_file = folder / STATS
     if not stats_file.is_file():
         raise TrainingDataError(
             f"{folder} has no stats.json, so it is not a finished packing output; run packing into it first"

@@ -81,7 +81,15 @@ def test_every_phase_runs_without_orchestration_and_writes_the_report(smoke):
     assert "Started a local Ray" not in out  # the profile runs each stage's worker in this process
     assert re.search(r"step 4/4: loss [\d.]+ \(ar [\d.]+, consistency [\d.]+\), .* tokens/s, ETA", out)
     assert re.search(r"shard 2/2 done: shard-00001.parquet, \d+ rows \(\d+ s, ETA 0 s\)", out)
-    for phase in ("trajectories/n4", "packing/n4", "train/n4", "trajectories/n8", "packing/n8", "train/n8", "evaluate"):
+    for phase in (
+        "trajectories/n4",
+        "packing/n4",
+        "training/n4",
+        "trajectories/n8",
+        "packing/n8",
+        "training/n8",
+        "evaluation",
+    ):
         assert f"== {phase} done" in out
     report = work / "report"
     for name in ("results.json", "results.md", "tpf_vs_training_tokens.png", "speedup_vs_accuracy.png"):
@@ -106,16 +114,16 @@ def test_every_phase_runs_without_orchestration_and_writes_the_report(smoke):
 
 def test_the_second_stage_learns_from_the_first_stages_model_on_its_own_trajectories(smoke):
     work, _ = smoke
-    first_final, base = work / "n4" / "train" / "final", work / "tiny-model"
+    first_final, base = work / "n4" / "training" / "final", work / "tiny-model"
     [shard, *_] = sorted((work / "n8" / "trajectories").glob("*/shard-*.parquet"))
     table = pq.read_table(shard, columns=["model_fingerprint", "block_size"]).to_pylist()
     assert {row["block_size"] for row in table} == {8}
     assert {row["model_fingerprint"] for row in table} == {fingerprint(first_final)} != {fingerprint(base)}
-    launch = json.loads((work / "n8" / "train" / "launch.json").read_text())
-    assert launch["train"]["model"]["name_or_path"] == str(first_final)
-    assert json.loads((work / "n8" / "train" / "final" / "jacobi_forcing.json").read_text())["block_size"] == 8
+    launch = json.loads((work / "n8" / "training" / "launch.json").read_text())
+    assert launch["training"]["model"]["name_or_path"] == str(first_final)
+    assert json.loads((work / "n8" / "training" / "final" / "jacobi_forcing.json").read_text())["block_size"] == 8
     # The export after 2 steps is a plain checkpoint of its own, between the base and the final weights.
-    export = work / "n4" / "train" / "exports" / "step-0000002"
+    export = work / "n4" / "training" / "exports" / "step-0000002"
     assert json.loads((export / "jacobi_forcing.json").read_text())["steps"] == 2
     weights = {
         name: AutoModelForCausalLM.from_pretrained(path).state_dict()["lm_head.weight"]
@@ -133,7 +141,7 @@ def test_a_rerun_resumes_from_what_was_written(smoke):
     again = campaign(work, "--phase", "trajectories", "--stage", "n4")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{total - lost} already decoded with this model and settings (reused), {lost} to decode" in again.stdout
-    rest = campaign(work, "--phase", "train")
+    rest = campaign(work, "--phase", "training")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert rest.stdout.count("trained already") == 2 and "launching" not in rest.stdout
 
@@ -144,7 +152,7 @@ def test_bad_profiles_fail_with_the_key_named(tmp_path):
     with pytest.raises(ConfigError, match=r"campaign: unknown key 'curv' \(did you mean 'curve'\?\)"):
         load_campaign("smoke", ["campaign.curv=1"])
     with pytest.raises(ConfigError, match="write key=value"):
-        load_campaign("smoke", ["train.max_steps"])
+        load_campaign("smoke", ["training.max_steps"])
     with pytest.raises(ConfigError, match="curriculum: stage names must differ"):
         load_campaign("smoke", ["curriculum=[{name: a, block_size: 4}, {name: a, block_size: 8}]"])
     failed = subprocess.run(
@@ -171,18 +179,23 @@ def test_bad_profiles_fail_with_the_key_named(tmp_path):
 @pytest.mark.parametrize("profile", ["smoke", "cpu-long", "gpu"])
 def test_shipped_profiles_load(profile):
     stages = load_campaign(profile).recipe.stages()
-    assert [s.trajectory.block_size for s in stages] == {"smoke": [4, 8], "cpu-long": [16], "gpu": [16, 32]}[profile]
+    assert [s.trajectories.block_size for s in stages] == {"smoke": [4, 8], "cpu-long": [16], "gpu": [16, 32]}[profile]
     for previous, stage in itertools.pairwise(stages):
-        assert stage.model.name_or_path == str(previous.path("train") / "final")
+        assert stage.model.name_or_path == str(previous.path("training") / "final")
 
 
 def test_the_flow_runs_the_same_curriculum(tmp_path):
     recipe = load_campaign("smoke", [f"work_dir={tmp_path}", f"model.name_or_path={tmp_path / 'tiny-model'}"]).recipe
     make_tiny_model(tmp_path / "tiny-model")
-    result = jacobi_forcing(to_dict(recipe), stages=["trajectories", "packing", "train"])
-    assert list(result["stages"]) == ["n4", "n8"]
-    second = json.loads(Path(result["stages"]["n8"]["trajectories"]).read_text())  # the selection file
-    shard = Path(second["store"]) / next(iter(second["shards"]))
+    result = jacobi_forcing(to_dict(recipe), stages=["trajectories", "packing", "training"])
+    assert list(result.stages) == ["n4", "n8"] and result.evaluation is None
+    second = result.stages["n8"].trajectories.read()  # the selection file
+    shard = Path(second.store) / next(iter(second.shards))
     fingerprints = {row["model_fingerprint"] for row in pq.read_table(shard).to_pylist()}
-    assert fingerprints == {fingerprint(tmp_path / "n4" / "train" / "latest" / "final")}
-    assert (tmp_path / "n8" / "train" / "latest" / "final" / "config.json").is_file()
+    first_final = tmp_path / "n4" / "training" / "latest" / "final"
+    assert fingerprints == {fingerprint(first_final)}
+    assert Path(result.stages["n4"].training.final) == first_final.resolve()
+    assert (tmp_path / "n8" / "training" / "latest" / "final" / "config.json").is_file()
+    assert (
+        result.stages["n8"].packing.stats["sequences"] == second.num_prompts and not result.stages["n8"].training.reused
+    )

@@ -15,10 +15,10 @@ import ray
 from jfcore.chat import encode_chat
 from jfcore.config import ConfigError, from_dict
 from jfcore.decoding.reference import hf_generate
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.config import EvalConfig
-from jfcore.eval.isolation import IsolationUnavailable, isolation_problem
-from jfcore.eval.report import REPORT_FILES
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.config import EvalConfig
+from jfcore.evaluation.isolation import IsolationUnavailable, isolation_problem
+from jfcore.evaluation.report import REPORT_FILES
 from jfcore.models import ModelConfig, ModelLoadError, load_model
 from tasks.evaluation import run_evaluation
 from tasks.ray_workers import RayConfig
@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
     with mlflow_server(root / "mlflow") as uri:
         # The "trained" checkpoint logged and registered the way the training stage does it.
         tracking = TrackingConfig(uri=uri, experiment="eval-tests", registered_model="jf-eval-tiny")
-        run_id = stage_run(tracking, root / "train-stage", "train", {"checkpoint": str(trained)})
+        run_id = stage_run(tracking, root / "training-stage", "training", {"checkpoint": str(trained)})
         logged = log_model_by_path(tracking, run_id, trained, root / "train-stage")
         yield {
             "root": root,
@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
 
 def eval_config(setup, **changes) -> EvalConfig:
     values = {
-        "output_dir": str(setup["root"] / "eval"),
+        "output_dir": str(setup["root"] / "evaluation"),
         "models": {
             "base": {"model": {"name_or_path": str(setup["base"])}},
             "trained": {"model": {"name_or_path": str(setup["trained"])}, "model_uri": setup["model_uri"]},
@@ -63,15 +63,15 @@ def eval_config(setup, **changes) -> EvalConfig:
         "decoding": DECODING,
         "problems_per_shard": 2,
     }
-    return from_dict(EvalConfig, values | changes, "eval")
+    return from_dict(EvalConfig, values | changes, "evaluation")
 
 
 @pytest.fixture(scope="module")
 def evaluated(setup):
     lines: list[str] = []
-    tracking = TrackingConfig(uri=setup["mlflow"], experiment="eval-tests", run_name="evaluate")
+    tracking = TrackingConfig(uri=setup["mlflow"], experiment="eval-tests", run_name="evaluation")
     result = run_evaluation(eval_config(setup), RayConfig(num_workers=2), tracking, log=lines.append)
-    samples = pq.read_table(Path(result["report"]) / "samples.parquet").to_pylist()
+    samples = pq.read_table(Path(result.report) / "samples.parquet").to_pylist()
     return result, samples, lines
 
 
@@ -83,9 +83,9 @@ def test_every_model_method_and_problem_is_decoded_scored_and_exact(setup, evalu
         (p.id, m, k) for p in problems for m in ("base", "trained") for k in METHODS
     }
     # Parallel decoding is lossless in float32: every output equals its model's greedy output.
-    assert result["exact"] == {"equal": 24, "checked": 24}
+    assert result.exact == {"equal": 24, "checked": 24}
     assert all(s["exact"] and s["first_divergence"] == len(s["tokens"]) for s in samples)
-    assert "24/24 outputs identical (every one)" in result["markdown"]
+    assert "24/24 outputs identical (every one)" in result.markdown
     # Each score is what the benchmark's own scoring path says of the stored completion.
     by_id = {p.id: p for p in problems}
     for s in samples[:: len(METHODS)]:
@@ -114,7 +114,7 @@ def test_stored_greedy_tokens_are_what_generate_returns(setup, evaluated):
 
 def test_table_rows_agree_with_the_samples(evaluated):
     result, samples, _ = evaluated
-    table = result["table"]
+    table = result.table
     assert len(table) == 3 * 2 * len(METHODS)  # gsm8k, humaneval, all x 2 models x 3 methods
     for r in table:
         rows = [
@@ -133,14 +133,12 @@ def test_table_rows_agree_with_the_samples(evaluated):
 def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):
     result, _, _ = evaluated
     mlflow = client(TrackingConfig(uri=setup["mlflow"]))
-    run = mlflow.get_run(result["mlflow_run_id"])
+    run = mlflow.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.tags["jacobi_forcing.stage"] == "evaluate"
-    assert run.data.tags["mlflow.note.content"] == result["markdown"]
+    assert run.data.tags["jacobi_forcing.stage"] == "evaluation"
+    assert run.data.tags["mlflow.note.content"] == result.markdown
     assert run.data.params["eval.decoding.block_size"] == "4"
-    row = next(
-        r for r in result["table"] if (r["benchmark"], r["model"], r["method"]) == ("gsm8k", "trained", "jacobi")
-    )
+    row = next(r for r in result.table if (r["benchmark"], r["model"], r["method"]) == ("gsm8k", "trained", "jacobi"))
     assert run.data.metrics["gsm8k/trained/jacobi/tpf"] == pytest.approx(row["tpf"])
     assert run.data.metrics["all/base/multiblock/exact"] == 1.0
     artifacts = {
@@ -160,20 +158,20 @@ def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):
 
 def test_a_rerun_reuses_every_shard_and_a_lost_one_is_redone(setup, evaluated):
     result, samples, _ = evaluated
-    folder = Path(result["folder"])
+    folder = Path(result.folder)
     lines: list[str] = []
     again = run_evaluation(eval_config(setup), RayConfig(num_workers=1), log=lines.append)
-    assert again["folder"] == result["folder"]
+    assert again.folder == result.folder
     assert any("3/3 shards already complete, 0 to make" in line for line in lines)
     (folder / "shard-00001.parquet").unlink()
     lines.clear()
     redone = run_evaluation(eval_config(setup), RayConfig(num_workers=1), log=lines.append)
     assert any("2/3 shards already complete, 1 to make" in line for line in lines)
-    resampled = pq.read_table(Path(redone["report"]) / "samples.parquet").to_pylist()
+    resampled = pq.read_table(Path(redone.report) / "samples.parquet").to_pylist()
     assert [s["tokens"] for s in resampled] == [s["tokens"] for s in samples]
     # Changed settings name another folder: old samples are never reused for them.
     other = eval_config(setup, decoding=DECODING | {"block_size": 8})
-    assert run_evaluation(other, RayConfig(num_workers=1), log=lines.append)["folder"] != result["folder"]
+    assert run_evaluation(other, RayConfig(num_workers=1), log=lines.append).folder != result.folder
 
 
 def test_bad_inputs_fail_before_ray_starts(setup, tmp_path):
@@ -206,9 +204,9 @@ def test_code_evaluation_refuses_to_run_unisolated_unless_told_it_is_unsafe(setu
     finally:
         isolation_problem.cache_clear()
     assert any(line.startswith("WARNING: unsafe_no_isolation is set") for line in lines)
-    manifest = json.loads((Path(result["folder"]) / "manifest.json").read_text())
-    assert result["code_isolation"] == manifest["code_isolation"] == "unsafe: none (unsafe_no_isolation)"
-    assert Path(result["folder"]).parent == tmp_path  # its own run folder: never mixed with isolated verdicts
+    manifest = json.loads((Path(result.folder) / "manifest.json").read_text())
+    assert result.code_isolation == manifest["code_isolation"] == "unsafe: none (unsafe_no_isolation)"
+    assert Path(result.folder).parent == tmp_path  # its own run folder: never mixed with isolated verdicts
 
 
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):

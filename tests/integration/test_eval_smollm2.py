@@ -8,9 +8,12 @@ import pytest
 from prefect import flow
 from prefect.artifacts import Artifact
 
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.config import from_dict
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.config import EvalConfig
 from tasks import RESULTS_ARTIFACT
-from tasks.evaluation import evaluate_task
+from tasks.evaluation import EvaluationResult, evaluation_task
+from tasks.ray_workers import RayConfig
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +29,18 @@ def test_smollm2_evaluation_is_lossless_and_reported(tmp_path):
     }
 
     @flow(name="evaluate-smollm2")
-    def evaluate_flow() -> dict:
+    def evaluate_flow() -> EvaluationResult:
         # One torch thread: two threads on a host whose cores are busy wait on each other (10x slower here).
-        return evaluate_task(evaluation, ray={"num_workers": 1, "cpus_per_worker": 1})
+        config = from_dict(EvalConfig, evaluation, "evaluation")
+        return evaluation_task(config, RayConfig(num_workers=1, cpus_per_worker=1))
 
     result = evaluate_flow()
-    assert result["exact"] == {"equal": 8, "checked": 8}
-    samples = pq.read_table(f"{result['report']}/samples.parquet").to_pylist()
+    assert result.exact == {"equal": 8, "checked": 8}
+    samples = pq.read_table(f"{result.report}/samples.parquet").to_pylist()
     expected_ids = {load_benchmark(BenchmarkConfig(name, limit=1, seed=3))[0].id for name in NAMES}
     assert {s["problem_id"] for s in samples} == expected_ids and len(samples) == 12
     assert all(s["exact"] and 0 < s["new_tokens"] <= 40 for s in samples)
     greedy = {s["problem_id"]: s["tokens"] for s in samples if s["method"] == "hf_greedy"}
     assert all(s["tokens"] == greedy[s["problem_id"]] for s in samples)
     artifact = Artifact.get(RESULTS_ARTIFACT)
-    assert artifact is not None and artifact.data == result["markdown"]
+    assert artifact is not None and artifact.data == result.markdown

@@ -47,10 +47,10 @@ def recipe(stack) -> Path:
                 "work_dir": str(root / "work"),
                 "model": {"name_or_path": str(model)},
                 "prompts": {"path": str(prompts), "chat_template": False},
-                "trajectory": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
+                "trajectories": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
                 "prompts_per_shard": 4,
                 "ray": {"num_workers": 2},
-                "train": {
+                "training": {
                     "max_steps": STEPS,
                     "epochs": 200,
                     "micro_batch_size": 2,
@@ -83,7 +83,7 @@ def task_states(stack, flow_run_id: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def two_runs(stack, recipe):
-    train = stack["root"] / "work" / "train"
+    train = stack["root"] / "work" / "training"
     first = start_run(stack, recipe)
     wait_for(lambda: any(train.glob("*/checkpoints/step-*/jf_complete.json")), 600, "a complete training checkpoint")
     prefect(stack, "flow-run", "cancel", first)
@@ -107,8 +107,9 @@ def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
     logs = two_runs["logs"]
     states = task_states(stack, two_runs["second"])
     assert "12 already decoded with this model and settings (reused), 0 to decode" in logs
-    assert "packing: reused" in logs and "pack-trajectories" not in states
-    assert states["generate-trajectories"] == states["train"] == states["evaluate"] == "Completed"
+    assert "packing: reused" in logs and "training: reused" not in logs  # training resumed, it was unfinished
+    stages = ("trajectories", "packing", "training", "evaluation", "registry")
+    assert [states[s] for s in stages] == ["Completed"] * 5
     step = int(two_runs["kept"][-1].removeprefix("step-"))
     assert f"resumed from step {step} " in logs  # the training loop's own line, after loading the checkpoint
     assert step < STEPS  # it was cancelled before the end
@@ -143,13 +144,13 @@ def test_parquet_outputs(stack, two_runs):
     assert selection["num_prompts"] == 12 and len(manifest["shards"]) == 3 == len(selection["shards"])
     rows = [r for f in sorted(store.glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert len({r["prompt_id"] for r in rows}) == 12
-    [packed] = list((work / "packed").iterdir())
+    [packed] = list((work / "packing").iterdir())
     stats = json.loads((packed / "stats.json").read_text())
     assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
-    [report] = list((work / "eval").glob("*/report"))
+    [report] = list((work / "evaluation").glob("*/report"))
     samples = pq.read_table(report / "samples.parquet").to_pylist()
     assert len(samples) == 3 * 2 * 3 and all(s["exact"] for s in samples)
-    assert (work / "train" / "latest" / "final" / "config.json").is_file()
+    assert (work / "training" / "latest" / "final" / "config.json").is_file()
 
 
 def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
@@ -162,20 +163,20 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     assert (
         parent.info.status == "FINISHED" and "| gsm8k | trained | jacobi |" in parent.data.tags["mlflow.note.content"]
     )
-    assert parent.data.params["recipe.trajectory.block_size"] == "4"
+    assert parent.data.params["recipe.trajectories.block_size"] == "4"
     nested = {
         r.data.tags["jacobi_forcing.stage"]: r
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert {"trajectories", "packing", "evaluate"} <= set(nested)
+    assert {"trajectories", "packing", "evaluation"} <= set(nested)
     assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
     assert nested["packing"].data.metrics["sequences"] == 12
     [selection] = mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")
     assert re.fullmatch(r"trajectories/[0-9a-f]{16}\.json", selection.path)  # the prompt set's selection file
     assert nested["trajectories"].data.metrics["reused_prompts"] == 12
     # Training began under the cancelled flow run's parent and resumed into the same run.
-    [train] = [r for r in runs if r.data.tags.get("jacobi_forcing.stage") == "train"]
+    [train] = [r for r in runs if r.data.tags.get("jacobi_forcing.stage") == "training"]
     assert train.info.status == "FINISHED" and train.data.metrics["loss"] > 0
     assert {m.step for m in mlflow.get_metric_history(train.info.run_id, "loss")} == set(range(1, STEPS + 1))
     # The new version is the challenger; the log says whether it passed the gate, and the aliases agree.
@@ -198,9 +199,9 @@ def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs
     assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
     names = {
         json.loads(prefect(stack, "deployment", "inspect", f"jacobi-forcing/{n}", "--output", "json"))["name"]
-        for n in ("full", "evaluate")
+        for n in ("full", "evaluation")
     }
-    assert names == {"full", "evaluate"}
+    assert names == {"full", "evaluation"}
 
 
 def test_results_table_is_a_prefect_artifact(stack, two_runs):

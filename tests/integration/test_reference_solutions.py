@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.code import judge_workers, score_completion
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.code import judge_workers, score_completion
 
 
 @pytest.mark.parametrize("name, count", [("humaneval", 164), ("mbpp", 257), ("mbpp_full", 500)])

@@ -45,10 +45,10 @@ class Story:
                     "work_dir": str(self.work),
                     "model": {"name_or_path": str(self.model)},
                     "prompts": {"path": str(self.prompts), "chat_template": False},
-                    "trajectory": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
+                    "trajectories": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
                     "prompts_per_shard": 4,
                     "ray": {"num_workers": 1},
-                    "train": {
+                    "training": {
                         "max_steps": 6,
                         "epochs": 10,
                         "micro_batch_size": 2,
@@ -76,7 +76,7 @@ class Story:
         return {
             "id": flow_run,
             "logs": logs,
-            "latest": (self.work / "train" / "latest").resolve(),
+            "latest": (self.work / "training" / "latest").resolve(),
             "versions": self.versions(),
         }
 
@@ -119,7 +119,7 @@ def story(tmp_path_factory):
         # Two runs at once: one trains a new learning rate, the other waits for the work_dir, then finds it done.
         ids = [start_run(stack, s.recipe(5.0e-4)) for _ in range(2)]
         steps["together"] = [s.after(i) for i in ids]
-        packed = json.loads((s.work / "train" / "latest" / "launch.json").read_text())["train"]["data"]
+        packed = json.loads((s.work / "training" / "latest" / "launch.json").read_text())["training"]["data"]
         steps["packed"] = packed
         for f in Path(packed).glob("packed-*.parquet"):
             f.unlink()
@@ -149,7 +149,7 @@ def test_a_new_learning_rate_trains_a_new_folder_and_registers_its_weights(story
     s, steps = story
     first, new = steps["first"]["latest"], steps["new_lr"]["latest"]
     assert new != first and new.parent == first.parent
-    assert json.loads((new / "launch.json").read_text())["train"]["learning_rate"] == 1.0e-3
+    assert json.loads((new / "launch.json").read_text())["training"]["learning_rate"] == 1.0e-3
     assert "resumed from step" not in steps["new_lr"]["logs"]  # a new run: nothing to resume
     assert steps["new_lr"]["versions"] == ["1", "2"]
     assert s.registered_weights("2") == sha256(new / "final" / "model.safetensors")
@@ -177,7 +177,7 @@ def test_appended_prompts_are_the_only_ones_decoded_and_gated_against_the_champi
     evaluations = [
         r
         for r in s.mlflow.search_runs([s.mlflow.get_experiment_by_name(EXPERIMENT).experiment_id])
-        if r.data.tags.get("jacobi_forcing.stage") == "evaluate"
+        if r.data.tags.get("jacobi_forcing.stage") == "evaluation"
     ]
     newest = max(evaluations, key=lambda r: r.info.start_time)
     # champion, base and trained decoded the same problems in this one evaluation
@@ -218,7 +218,7 @@ def test_retraining_from_the_champion_decodes_and_trains_from_its_weights(story)
     # another model: its own trajectory store, so every prompt is decoded with it
     assert f"{PROMPTS + 8} prompts (0 skipped: over 512 tokens): 0 already decoded" in logs
     launch = json.loads((steps["from_champion"]["latest"] / "launch.json").read_text())
-    start = Path(launch["train"]["model"]["name_or_path"])
+    start = Path(launch["training"]["model"]["name_or_path"])
     assert start.is_relative_to(s.work / "registry")
     assert sha256(start / "model.safetensors") == s.registered_weights(champion)
     assert len(steps["from_champion"]["versions"]) == len(steps["repacked"]["versions"]) + 1

@@ -19,7 +19,7 @@ from jfcore.training.checkpoints import complete_checkpoints
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import TrainingDataError
 from tasks.tracking import TrackingConfig, client
-from tasks.training import LaunchConfig, TrainingFailed, run_training
+from tasks.training import LaunchConfig, TrainingFailed, TrainingResult, run_training
 from tests.support.servers import mlflow_server
 from tests.support.tiny_models import greedy_reference, save_tiny_checkpoint
 from tests.support.training_data import packed_data
@@ -71,15 +71,15 @@ def resumed_at(lines: list[str], run_dir: Path, step: int) -> None:
     assert any(f"training finished: {STEPS} steps (resumed from {step})" in line for line in lines)
 
 
-def same_curve_and_weights(run_dir: Path, uninterrupted: dict, after: int) -> None:
+def same_curve_and_weights(run_dir: Path, uninterrupted: TrainingResult, after: int) -> None:
     """One record per step, and from step `after` on the same losses and final weights as the uninterrupted run."""
-    resumed, whole = curve(run_dir), curve(Path(uninterrupted["final_dir"]).parent)
+    resumed, whole = curve(run_dir), curve(Path(uninterrupted.folder))
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(resumed[after:], whole[after:]):
         for key in CURVE:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
     a = AutoModelForCausalLM.from_pretrained(Path(run_dir) / "final")
-    b = AutoModelForCausalLM.from_pretrained(uninterrupted["final_dir"])
+    b = AutoModelForCausalLM.from_pretrained(uninterrupted.final)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -87,7 +87,7 @@ def same_curve_and_weights(run_dir: Path, uninterrupted: dict, after: int) -> No
 def crashed_copy(setup, uninterrupted: dict, name: str, during_step: int) -> TrainConfig:
     """The uninterrupted run's folder as a crash during `during_step` would have left it: the checkpoints
     before that step, a record for each step before it, no export."""
-    whole, train = Path(uninterrupted["final_dir"]).parent, config(setup, name)
+    whole, train = Path(uninterrupted.folder), config(setup, name)
     out = Path(train.output_dir)
     shutil.copytree(whole, out, ignore=shutil.ignore_patterns("final", "mlflow_run.json", "launch.log"))
     for tag in complete_checkpoints(out / "checkpoints"):
@@ -99,14 +99,12 @@ def crashed_copy(setup, uninterrupted: dict, name: str, during_step: int) -> Tra
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(setup):
-    lines: list[str] = []
-    result = run_training(config(setup, "whole"), LAUNCH, tracking(setup, "whole"), log=lines.append)
-    return result | {"log": lines}
+def uninterrupted(setup) -> TrainingResult:
+    return run_training(config(setup, "whole"), LAUNCH, tracking(setup, "whole"), log=lambda line: None)
 
 
 def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
-    records = curve(uninterrupted["final_dir"] + "/..")
+    records = curve(uninterrupted.folder)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     first, last = records[:4], records[-4:]  # first and last epoch: the same 16 sequences, reshuffled
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
@@ -117,7 +115,7 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
         assert r["loss"] == pytest.approx(r["consistency_loss"] + 10 * r["ar_loss"], rel=1e-5)
 
     mlflow = client(tracking(setup, "whole"))
-    run = mlflow.get_run(uninterrupted["mlflow_run_id"])
+    run = mlflow.get_run(uninterrupted.mlflow_run_id)
     assert run.data.params["train.ar_weight"] == "10.0" and run.data.params["deepspeed.zero_optimization.stage"] == "2"
     assert run.data.params["launch.processes"] == "2"
     for name in (*CURVE, "tokens_per_second"):
@@ -128,7 +126,7 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
     artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id, "training")}
     logged = ("deepspeed_config.json", "metrics.jsonl", "launch.json", "launch.log")
     assert {f"training/{name}" for name in logged} <= artifacts
-    version = mlflow.get_model_version("jf-tiny", uninterrupted["model"]["version"])
+    version = mlflow.get_model_version("jf-tiny", uninterrupted.version)
     assert version.run_id == run.info.run_id
 
 
@@ -145,7 +143,7 @@ def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uni
     served = mlflow.pyfunc.load_model(uri)
     texts = ["w5 w9 w11 w4", "w30 w7"]
     completions = served.predict(texts, params={"method": "jacobi", "block_size": 4, "max_new_tokens": 16})
-    model, tokenizer = load_model(MC(name_or_path=uninterrupted["final_dir"]))
+    model, tokenizer = load_model(MC(name_or_path=uninterrupted.final))
     for text, completion in zip(texts, completions):
         ids = tokenizer(text)["input_ids"]
         expected = greedy_reference(model, ids, 16, eos=tokenizer.eos_token_id)
@@ -153,7 +151,7 @@ def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uni
 
 
 def test_exported_model_loads_and_decodes_losslessly(setup, uninterrupted):
-    final = Path(uninterrupted["final_dir"])
+    final = Path(uninterrupted.final)
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     base = AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=torch.float32)
     assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it was trained
@@ -185,14 +183,14 @@ def test_killed_worker_resumes_with_the_same_loss_curve(setup, uninterrupted):
     resumed_at(lines, train.output_dir, 4)  # what the training loop did
     # Steps 1-4 were not redone: their records (timings included) are the killed launch's.
     assert (Path(train.output_dir) / "metrics.jsonl").read_text().splitlines()[:4] == before[:4]
-    assert result["mlflow_run_id"] == run_id  # the same MLflow run continues
+    assert result.mlflow_run_id == run_id  # the same MLflow run continues
     launches = launch_log.read_text().split("\n=== ")  # both launches, the killed one's post-mortem included
     assert len(launches) == 2 and "Root Cause" in launches[0] and "training finished" in launches[1]
     same_curve_and_weights(train.output_dir, uninterrupted, after=4)
 
 
 def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup, uninterrupted):
-    run_dir = Path(uninterrupted["final_dir"]).parent
+    run_dir = Path(uninterrupted.folder)
     before = (run_dir / "final" / "model.safetensors").stat().st_mtime_ns
     mlflow = client(tracking(setup, "whole"))
     versions = len(mlflow.search_model_versions("name='jf-tiny'"))
@@ -201,9 +199,9 @@ def test_a_finished_run_is_not_retrained_and_changed_settings_are_refused(setup,
     resumed_at(lines, run_dir, STEPS)  # and ran no step
     assert [r["step"] for r in curve(run_dir)] == list(range(1, STEPS + 1))
     assert (run_dir / "final" / "model.safetensors").stat().st_mtime_ns == before
-    assert again["mlflow_run_id"] == uninterrupted["mlflow_run_id"] and again["model"] == uninterrupted["model"]
+    assert again.mlflow_run_id == uninterrupted.mlflow_run_id and again.model == uninterrupted.model
     assert len(mlflow.search_model_versions("name='jf-tiny'")) == versions  # no second registration
-    assert mlflow.get_run(again["mlflow_run_id"]).info.status == "FINISHED"
+    assert mlflow.get_run(again.mlflow_run_id).info.status == "FINISHED"
     with pytest.raises(TrainingFailed, match="other settings.*micro_batch_size: 2 -> 1"):
         run_training(config(setup, "whole", micro_batch_size=1), LAUNCH, log=lambda line: None)
     # ZeRO cannot load its optimizer shards into another world size: that is a changed setting too, not a
@@ -255,7 +253,7 @@ def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(setup, uninterrupt
 def test_a_metrics_line_torn_by_a_crash_is_dropped_on_resume(setup, uninterrupted):
     train = crashed_copy(setup, uninterrupted, "torn", during_step=10)
     metrics = Path(train.output_dir) / "metrics.jsonl"
-    step_10 = (Path(uninterrupted["final_dir"]).parent / "metrics.jsonl").read_text().splitlines()[9]
+    step_10 = (Path(uninterrupted.folder) / "metrics.jsonl").read_text().splitlines()[9]
     with open(metrics, "a") as f:
         f.write(step_10[: len(step_10) // 2])  # killed while writing step 10's record
 
@@ -264,13 +262,13 @@ def test_a_metrics_line_torn_by_a_crash_is_dropped_on_resume(setup, uninterrupte
     assert any(f"warning: {metrics} line 10 is torn" in line for line in lines), lines
     resumed_at(lines, train.output_dir, 8)
     same_curve_and_weights(train.output_dir, uninterrupted, after=8)
-    assert result["metrics"]["step"] == STEPS
+    assert result.metrics["step"] == STEPS
 
 
 def test_curriculum_stage_starts_from_the_previous_export_with_zero3(setup, uninterrupted):
     """Stage 2: trajectories of block size 8 from stage 1's model, trained from it under ZeRO-3
     with gradient checkpointing."""
-    stage1 = Path(uninterrupted["final_dir"])
+    stage1 = Path(uninterrupted.final)
     data = packed_data(stage1, setup["root"] / "stage2-data", block_size=8, max_new_tokens=16)
     train = config(
         setup,
@@ -286,11 +284,11 @@ def test_curriculum_stage_starts_from_the_previous_export_with_zero3(setup, unin
         train, LaunchConfig(processes=2, deepspeed_config="zero3", threads_per_process=1), log=lambda line: None
     )
     assert [r["step"] for r in curve(train.output_dir)] == [1, 2, 3]
-    model = AutoModelForCausalLM.from_pretrained(result["final_dir"])  # ZeRO-3 shards gathered into one model
+    model = AutoModelForCausalLM.from_pretrained(result.final)  # ZeRO-3 shards gathered into one model
     before = AutoModelForCausalLM.from_pretrained(stage1)
     assert model.state_dict().keys() == before.state_dict().keys()
     assert not torch.equal(model.lm_head.weight, before.lm_head.weight)
-    assert json.loads((Path(result["final_dir"]) / "jacobi_forcing.json").read_text())["block_size"] == 8
+    assert json.loads((Path(result.final) / "jacobi_forcing.json").read_text())["block_size"] == 8
 
 
 def test_bad_inputs_fail_before_any_process_starts(setup, tmp_path):
@@ -334,7 +332,7 @@ def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted,
     stage = json.loads((Path(train.output_dir) / "deepspeed_config.json").read_text())["zero_optimization"]["stage"]
     assert stage == {"zero0": 0, "zero1": 1, "zero3_offload": 3}[deepspeed_config]
     # Same weights and rows at step 1 as the ZeRO-2 run: the same loss and gradient norm, however sharded.
-    first = curve(Path(uninterrupted["final_dir"]).parent)[0]
+    first = curve(Path(uninterrupted.folder))[0]
     assert records[0]["loss"] == pytest.approx(first["loss"], rel=1e-5)
     assert records[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4)
-    assert AutoModelForCausalLM.from_pretrained(result["final_dir"]).num_parameters() > 0
+    assert AutoModelForCausalLM.from_pretrained(result.final).num_parameters() > 0

@@ -1,5 +1,5 @@
-"""The real model end to end: the data-path stage makes SmolLM2 packed data, and a Prefect task
-trains on it with 2 DeepSpeed processes (ZeRO-2, CPU, gloo); a rank is killed mid-run and
+"""The real model end to end: the data-path stage makes SmolLM2 packed data, and the training stage's
+Prefect task trains on it with 2 DeepSpeed processes (ZeRO-2, CPU, gloo); a rank is killed mid-run and
 Prefect's retry resumes it onto the uninterrupted run's loss curve."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 from prefect import flow
 
 from jfcore.chat import encode_chat
-from jfcore.config import to_dict
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.decoding.reference import hf_generate
 from jfcore.models import ModelConfig, load_model
@@ -20,7 +19,9 @@ from jfcore.prompts import PromptSource
 from jfcore.training.config import TrainConfig
 from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
-from tasks.training import LaunchConfig, run_training, train_task
+from tasks.plan import StagePlan
+from tasks.tracking import TrackingConfig
+from tasks.training import LaunchConfig, TrainingResult, run_training, training_task
 from tasks.trajectories import RayConfig, generate_trajectories
 from tests.support.training_jobs import CURVE, curve, kill_rank_1_at
 
@@ -59,32 +60,38 @@ def config(packed: Path, name: str) -> TrainConfig:
 
 def test_smollm2_trains_and_a_killed_run_resumes_through_prefect(packed):
     whole = run_training(config(packed, "whole"), LAUNCH, log=lambda line: None)
-    records = curve(Path(whole["final_dir"]).parent)
+    records = curve(whole.folder)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     means = [sum(r["loss"] for r in records[i : i + 8]) / 8 for i in (0, 8, 16)]  # per epoch: the same 16 sequences
     assert means[2] < means[1] < 0.8 * means[0], means
     throughput = sum(r["tokens_per_second"] for r in records[1:]) / (STEPS - 1)
     print(f"SmolLM2 loss by epoch {[round(m, 3) for m in means]}; {throughput:.0f} tokens/s (2 processes)")
 
-    train = config(packed, "killed")
+    stage = packed.parent / "killed"
+    plan = StagePlan(
+        "training", "", stage, ModelConfig(), PromptSource(), TrajectoryConfig(), PackingConfig(), config(packed, "-")
+    ).starting_from(ModelConfig())
 
     @flow(name="train-smollm2")
-    def train_flow() -> dict:
-        return train_task(to_dict(train), to_dict(LAUNCH))
+    def train_flow() -> TrainingResult:
+        return training_task(plan, str(packed), LAUNCH, TrackingConfig())
 
-    killer, killed = kill_rank_1_at(Path(train.output_dir), step=8)
+    killer, killed = kill_rank_1_at(stage, step=8)
     result = train_flow()
     killer.join()
     assert killed, "training finished before a rank could be killed"
-    resumed = curve(train.output_dir)
+    assert Path(result.folder).parent == stage / "training" and (stage / "training" / "latest").resolve() == Path(
+        result.folder
+    )
+    resumed = curve(result.folder)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(resumed[8:], records[8:]):
         for key in CURVE:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    assert json.loads((Path(result["final_dir"]) / "jacobi_forcing.json").read_text())["steps"] == STEPS
+    assert json.loads((Path(result.final) / "jacobi_forcing.json").read_text())["steps"] == STEPS
 
     # The exported SmolLM2 decodes exactly like its own greedy generate.
-    model, tokenizer = load_model(ModelConfig(name_or_path=result["final_dir"]))
+    model, tokenizer = load_model(ModelConfig(name_or_path=result.final))
     prompts = [
         encode_chat(tokenizer, "What is 12 * 7?"),
         encode_chat(tokenizer, "Write a Python function that reverses a list."),

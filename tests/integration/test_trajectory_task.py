@@ -142,25 +142,41 @@ def test_without_ray_two_worker_processes_write_what_ray_writes(tiny_checkpoint,
 def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path):
     from prefect import flow
 
-    from tasks.packing import pack_trajectories_task
-    from tasks.trajectories import generate_trajectories_task
+    from jfcore.packing import PackingConfig
+    from jfcore.training.config import TrainConfig
+    from tasks.packing import PackingResult, packing_task
+    from tasks.plan import StagePlan
+    from tasks.tracking import TrackingConfig
+    from tasks.trajectories import TrajectoriesResult, trajectories_task
+
+    model = ModelConfig(name_or_path=str(tiny_checkpoint))
+    plan = StagePlan(
+        "training",
+        "",
+        tmp_path,
+        model,
+        PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
+        TrajectoryConfig(block_size=4, max_new_tokens=8),
+        PackingConfig(window=4),
+        TrainConfig(data="-", output_dir="-", model=model),
+    )
 
     @flow
-    def data_path() -> tuple[str, dict]:
-        selection = generate_trajectories_task(
-            model={"name_or_path": str(tiny_checkpoint)},
-            prompts={"path": str(prompt_file), "field": "prompt", "chat_template": False},
-            trajectory={"block_size": 4, "max_new_tokens": 8},
-            ray={"num_workers": 1},
-            out_dir=str(tmp_path / "trajectories"),
-            prompts_per_shard=3,
-        )
-        return selection, pack_trajectories_task(selection, str(tmp_path / "packed"), {"window": 4})
+    def data_path(run: bool) -> tuple[TrajectoriesResult, PackingResult]:
+        trajectories = trajectories_task(plan, RayConfig(num_workers=1), 3, TrackingConfig(), run)
+        return trajectories, packing_task(plan, trajectories.selection, TrackingConfig(), run)
 
-    selection, stats = data_path()
-    assert json.loads(Path(selection).read_text())["num_prompts"] == NUM_PROMPTS
-    assert stats["sequences"] == NUM_PROMPTS and stats["blocks"] == len(rows_of(Path(selection)))
-    assert (tmp_path / "packed" / "stats.json").is_file()
+    trajectories, packing = data_path(True)
+    assert Path(trajectories.selection).parent.parent.parent == tmp_path / "trajectories"
+    assert trajectories.read().num_prompts == NUM_PROMPTS and trajectories.ran
+    stats = packing.stats
+    assert stats["sequences"] == NUM_PROMPTS and stats["blocks"] == len(rows_of(Path(trajectories.selection)))
+    assert Path(packing.folder).parent == tmp_path / "packing" and not packing.reused
+    assert (Path(packing.folder) / "stats.json").is_file()
+    # Skipped, the stages hand on what the last run wrote.
+    skipped, reused = data_path(False)
+    assert skipped == TrajectoriesResult(trajectories.selection, ran=False)
+    assert reused == PackingResult(packing.folder, stats, reused=True)
 
 
 def test_packing_refuses_an_unfinished_run(tiny_checkpoint, prompt_file, tmp_path):

@@ -35,15 +35,16 @@ def rank_processes(launch_file: Path) -> dict[int, int]:
 
 
 def kill_rank_1_at(output_dir: Path, step: int) -> tuple[threading.Thread, list[int]]:
-    """A started thread that SIGKILLs rank 1 of the job in `output_dir` once checkpoint `step` is complete."""
-    marker = output_dir / "checkpoints" / f"step-{step:07d}" / "jf_complete.json"
+    """A started thread that SIGKILLs rank 1 of the job in `output_dir` (or in the one run folder under it)
+    once checkpoint `step` is complete."""
+    pattern = f"**/checkpoints/step-{step:07d}/jf_complete.json"
     killed: list[int] = []
 
     def kill() -> None:
         deadline = time.time() + scaled(900)
-        while not marker.exists() and time.time() < deadline:
+        while not (found := list(output_dir.glob(pattern))) and time.time() < deadline:
             time.sleep(0.05)
-        pid = rank_processes(output_dir / "launch.json").get(1)
+        pid = rank_processes(found[0].parents[2] / "launch.json").get(1) if found else None
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)

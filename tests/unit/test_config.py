@@ -43,18 +43,20 @@ def test_files_and_replace(tmp_path):
 
 
 def test_overrides_apply_in_order_as_yaml_values_and_are_checked_like_the_file(tmp_path):
-    base = {"train": {"epochs": 2, "model": {"name_or_path": "m"}}, "launch": {"processes": 2}}
-    done = apply_overrides(base, ["train.epochs=5", "train.model.dtype=bfloat16", "launch.processes=1", "x.y=[1, 2]"])
+    base = {"training": {"epochs": 2, "model": {"name_or_path": "m"}}, "launch": {"processes": 2}}
+    done = apply_overrides(
+        base, ["training.epochs=5", "training.model.dtype=bfloat16", "launch.processes=1", "x.y=[1, 2]"]
+    )
     assert done == {
-        "train": {"epochs": 5, "model": {"name_or_path": "m", "dtype": "bfloat16"}},
+        "training": {"epochs": 5, "model": {"name_or_path": "m", "dtype": "bfloat16"}},
         "launch": {"processes": 1},
         "x": {"y": [1, 2]},
     }
-    assert base["train"]["epochs"] == 2  # the loaded file's data is not changed
+    assert base["training"]["epochs"] == 2  # the loaded file's data is not changed
     with pytest.raises(ConfigError, match="write key=value"):
-        apply_overrides(base, ["train.epochs"])
+        apply_overrides(base, ["training.epochs"])
     with pytest.raises(ConfigError, match="epochs is a value, not a section"):
-        apply_overrides(base, ["train.epochs.max=3"])
+        apply_overrides(base, ["training.epochs.max=3"])
     recipe = tmp_path / "r.yaml"
     recipe.write_text("decode: {block_size: 8}\n")
     loaded = load_sections(recipe, {"decode": DecodeConfig}, overrides=["decode.block_size=32", "decode.method=ar"])

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from jfcore.eval.answers import final_number, gsm8k_correct, gsm8k_gold, last_boxed, math_correct
+from jfcore.evaluation.answers import final_number, gsm8k_correct, gsm8k_gold, last_boxed, math_correct
 from jfcore.paths import default_data_dir
 
 EVAL = default_data_dir() / "eval"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jfcore.config import ConfigError, from_dict
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
 
 SIZES = {"humaneval": 164, "mbpp": 257, "mbpp_full": 500, "gsm8k": 1319, "math500": 500}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jfcore.eval.programs import extract_program
+from jfcore.evaluation.programs import extract_program
 
 PROMPT = 'def add(a, b):\n    """Add two numbers."""\n'
 

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jfcore.config import ConfigError, from_dict
-from jfcore.eval.config import EvalConfig
-from jfcore.eval.report import REPORT_FILES, markdown_table, summarize, write_report
+from jfcore.evaluation.config import EvalConfig
+from jfcore.evaluation.report import REPORT_FILES, markdown_table, summarize, write_report
 
 
 def sample(benchmark, model, method, tokens, forwards, prefill, decode, correct, exact=True, verdict=None):
@@ -109,11 +109,14 @@ BASE = {"output_dir": "out", "models": {"base": {"model": {"name_or_path": "m"}}
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"benchmarks": [{"name": "gsm8kk"}]}, "eval.benchmarks[0].name: 'gsm8kk' is not one of 'humaneval'"),
-        ({"baseline": "ar"}, "eval.baseline: 'ar' is not one of the models (base)"),
+        ({"benchmarks": [{"name": "gsm8kk"}]}, "evaluation.benchmarks[0].name: 'gsm8kk' is not one of 'humaneval'"),
+        ({"baseline": "ar"}, "evaluation: EvalConfig.baseline: 'ar' is not one of the models (base)"),
         ({"decoding": {"methods": ["jacobi"]}}, "decoding.methods: must include 'hf_greedy'"),
         ({"decoding": {"methods": ["hf_greedy", "lookahead"]}}, "'lookahead' is not one of"),
-        ({"models": {"base": {"model": {"name_or_path": "m"}, "uri": "x"}}}, "eval.models.base: unknown key 'uri'"),
+        (
+            {"models": {"base": {"model": {"name_or_path": "m"}, "uri": "x"}}},
+            "evaluation.models.base: unknown key 'uri'",
+        ),
         ({"benchmarks": [{"name": "gsm8k"}, {"name": "gsm8k"}]}, "a benchmark is listed twice"),
         ({"benchmarks": [{"name": "gsm8k", "limit": 0}]}, "limit: must be >= 1"),
         ({"decoding": {"max_new_tokens": -1}}, "max_new_tokens: must be >= 1"),
@@ -121,4 +124,4 @@ BASE = {"output_dir": "out", "models": {"base": {"model": {"name_or_path": "m"}}
 )
 def test_bad_recipes_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        from_dict(EvalConfig, BASE | change, "eval")
+        from_dict(EvalConfig, BASE | change, "evaluation")

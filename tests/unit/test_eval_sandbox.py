@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.code import CodeProblem, judge_workers, score_completion
-from jfcore.eval.sandbox import SandboxLimits, judge
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.code import CodeProblem, judge_workers, score_completion
+from jfcore.evaluation.sandbox import SandboxLimits, judge
 from jfcore.hostspeed import scaled
 
 TEST = "assert f(1) == 2\n"

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from jfcore import hostspeed
-from jfcore.eval.benchmarks import BenchmarkConfig, load_benchmark
-from jfcore.eval.code import CPU_BUDGET_S
+from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+from jfcore.evaluation.code import CPU_BUDGET_S
 from tests.support import REPO
 
 

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jfcore.config import ConfigError, from_dict
+from jfcore.contracts import PACKED_SCHEMA
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.packing import (
-    PACKED_SCHEMA,
     PackingConfig,
     PackingError,
     block_target,

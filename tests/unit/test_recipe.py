@@ -16,26 +16,29 @@ GOOD = {"work_dir": "runs/x", "model": {"name_or_path": "smollm2-135m-instruct"}
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("pipeline_*.yaml")))
 def test_shipped_recipes_load(name):
     recipe = load_recipe(REPO / "configs" / name)
-    assert recipe.train_config(recipe.stages()[-1], "packed").data == "packed"
+    last = recipe.stages()[-1]
+    assert last.training.output_dir == str(last.path("training")) and last.training.model.dtype == "float32"
     assert set(recipe.eval_config("final").models) == {"base", "trained"}
     if "7b_gpu" in name:  # the official curriculum: n = 16, then n = 32 from its model, window 16 throughout
-        assert [(s.trajectory.block_size, s.packing.window) for s in recipe.stages()] == [(16, 16), (32, 16)]
+        assert [(s.trajectories.block_size, s.packing.window) for s in recipe.stages()] == [(16, 16), (32, 16)]
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"trajectories": {}}, "recipe: unknown key 'trajectories' (did you mean 'trajectory'?)"),
-        ({"trajectory": {"block_size": -4}}, "recipe.trajectory: block_size must be >= 2"),
-        ({"trajectory": {"block_size": "16"}}, "recipe.trajectory.block_size: expected an integer, got '16'"),
-        ({"train": {"learning_rat": 1e-5}}, "train: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
-        ({"train": {"output_dir": "x"}}, "train.output_dir: set by the flow"),
-        ({"train": {"epochs": 0}}, "TrainConfig.epochs: must be >= 1"),
+        ({"trajectorie": {}}, "recipe: unknown key 'trajectorie' (did you mean 'trajectories'?)"),
+        ({"trajectories": {"block_size": -4}}, "recipe.trajectories: block_size must be >= 2"),
+        ({"trajectories": {"block_size": "16"}}, "recipe.trajectories.block_size: expected an integer, got '16'"),
+        ({"training": {"learning_rat": 1e-5}}, "training: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
+        ({"training": {"output_dir": "x"}}, "training.output_dir: set by the flow"),
+        ({"training": {"epochs": 0}}, "TrainConfig.epochs: must be >= 1"),
+        ({"train": {"epochs": 2}}, "recipe: the section 'train' is now called 'training'; rename it"),
+        ({"gate": {}}, "recipe: the section 'gate' is now called 'registry'; rename it"),
         (
             {"evaluation": {"benchmarks": [{"name": "gsm9k"}]}},
             "recipe.evaluation.benchmarks[0].name: 'gsm9k' is not one",
         ),
-        ({"gate": {"method": "hf_greedy"}}, "gate.method: 'hf_greedy' is not jacobi or multiblock"),
+        ({"registry": {"method": "hf_greedy"}}, "gate.method: 'hf_greedy' is not jacobi or multiblock"),
         ({"schedule": {"cron": "every sunday"}}, "schedule.cron: 'every sunday' is not a 5-field cron expression"),
         ({"launch": {"processes": 0}}, "LaunchConfig.processes: must be >= 1"),
     ],
@@ -60,7 +63,9 @@ def test_the_flow_refuses_a_missing_model_before_any_stage(tmp_path):
     assert not (tmp_path / "work").exists()  # no stage wrote anything
     with pytest.raises(ConfigError, match=r"stages: unknown \['trian'\]"):
         jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w2")}, stages=["trian"])
-    with pytest.raises(ConfigError, match=r"unknown key 'trajectroy' \(did you mean 'trajectory'\?\)"):
+    with pytest.raises(ConfigError, match=r"stages: unknown \['train'\].*; 'train' is now 'training'"):
+        jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w2")}, stages=["train"])
+    with pytest.raises(ConfigError, match=r"unknown key 'trajectroy' \(did you mean 'trajectories'\?\)"):
         jacobi_forcing(GOOD | {"work_dir": str(tmp_path / "w3"), "trajectroy": {}})  # not dropped by a schema
 
 
@@ -71,7 +76,9 @@ def test_the_flow_parameters_are_typed_so_the_ui_draws_a_form():
     recipe = schema["properties"]["recipe"]
     assert recipe["anyOf"] == [{"$ref": "#/definitions/Recipe"}, {"type": "string"}]
     sections = schema["definitions"]["Recipe"]["properties"]
-    assert {"work_dir", "model", "prompts", "trajectory", "packing", "train", "evaluation", "gate"} <= set(sections)
+    assert {"work_dir", "model", "prompts", "trajectories", "packing", "training", "evaluation", "registry"} <= set(
+        sections
+    )
     block_size = schema["definitions"]["TrajectoryConfig"]["properties"]["block_size"]
     assert block_size["type"] == "integer" and block_size["default"] == 16
     assert schema["properties"]["stages"]["anyOf"][0]["items"]["enum"] == list(STAGES)
@@ -81,12 +88,12 @@ def test_a_curriculum_chains_its_stages():
     recipe = load_recipe(
         GOOD
         | {
-            "trajectory": {"max_new_tokens": 64},
+            "trajectories": {"max_new_tokens": 64},
             "packing": {"window": 8},
-            "train": {"learning_rate": 1e-5, "epochs": 2},
+            "training": {"learning_rate": 1e-5, "epochs": 2},
             "curriculum": [
                 {"name": "n16", "block_size": 16, "window": 16},
-                {"name": "n32", "block_size": 32, "prompts_limit": 10, "train": {"learning_rate": 5e-6}},
+                {"name": "n32", "block_size": 32, "prompts_limit": 10, "training": {"learning_rate": 5e-6}},
             ],
         }
     )
@@ -94,14 +101,16 @@ def test_a_curriculum_chains_its_stages():
     root = Path("runs/x").resolve()
     assert (first.folder, second.folder) == (root / "n16", root / "n32")
     assert first.model.name_or_path == "smollm2-135m-instruct"
-    assert second.model.name_or_path == str(root / "n16" / "train" / "final") and second.model.gguf_file is None
-    assert (first.trajectory.block_size, second.trajectory.block_size) == (16, 32)
+    assert second.model.name_or_path == str(root / "n16" / "training" / "final") and second.model.gguf_file is None
+    assert (first.trajectories.block_size, second.trajectories.block_size) == (16, 32)
     assert (first.packing.window, second.packing.window) == (16, 8)  # a stage without a window keeps the recipe's
     assert (first.prompts.limit, second.prompts.limit) == (None, 10)
-    trains = [recipe.train_config(plan, "d") for plan in (first, second)]
+    trains = [plan.training for plan in (first, second)]
     assert [t.learning_rate for t in trains] == [1e-5, 5e-6] and [t.epochs for t in trains] == [2, 2]
     assert trains[1].model.name_or_path == second.model.name_or_path and trains[1].model.dtype == "float32"
-    assert recipe.final_model() == str(root / "n32" / "train" / "final")
+    assert trains[1].output_dir == str(root / "n32" / "training")
+    assert recipe.final_model() == str(root / "n32" / "training" / "final")
+    assert second.run_name("packing") == "packing (n32)"
     assert recipe.eval_config(recipe.final_model()).models["trained"].model.name_or_path == recipe.final_model()
 
 
@@ -111,10 +120,10 @@ def test_a_curriculum_chains_its_stages():
         ([{"name": "a", "block_size": 16}, {"name": "a", "block_size": 32}], "stage names must differ"),
         ([{"name": "a", "block_size": 1}], "block_size must be >= 2"),
         (
-            [{"name": "a", "block_size": 16, "train": {"output_dir": "x"}}],
-            "curriculum[a].train.output_dir: set by the flow",
+            [{"name": "a", "block_size": 16, "training": {"output_dir": "x"}}],
+            "curriculum[a].training.output_dir: set by the flow",
         ),
-        ([{"name": "a", "block_size": 16, "train": {"lr": 1}}], "train (a): unknown key 'lr'"),
+        ([{"name": "a", "block_size": 16, "training": {"lr": 1}}], "training (a): unknown key 'lr'"),
         ([{"name": "a/b", "block_size": 16}], "must be a plain folder name"),
         ([{"name": "a", "block_sise": 16}], "unknown key 'block_sise' (did you mean 'block_size'?)"),
     ],

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from jfcore.eval.isolation import ENVIRONMENT, NOBODY
-from jfcore.eval.sandbox import SandboxLimits, Verdict, judge
+from jfcore.evaluation.isolation import ENVIRONMENT, NOBODY
+from jfcore.evaluation.sandbox import SandboxLimits, Verdict, judge
 from jfcore.hostspeed import scaled
 
 QUICK = SandboxLimits(cpu_s=2, wall_s=scaled(8))
@@ -253,7 +253,7 @@ def test_killing_the_parent_the_group_or_everything_hurts_no_one_outside(bystand
 def test_without_bubblewrap_code_evaluation_refuses_to_start():
     env = os.environ | {"PATH": "/nonexistent"}
     code = (
-        "from jfcore.eval.sandbox import judge\n"
+        "from jfcore.evaluation.sandbox import judge\n"
         "try:\n    judge('def f(x):\\n    return x + 1\\n', 'assert f(1) == 2\\n')\n"
         "except Exception as err:\n    print(type(err).__name__, err)\n"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from jfcore.contracts import TRAJECTORY_SCHEMA
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.shards import (
     ShardRecord,
@@ -14,7 +15,7 @@ from jfcore.shards import (
     run_key,
     write_shard,
 )
-from jfcore.trajectories import TRAJECTORY_SCHEMA, rows_to_table, trajectory_rows
+from jfcore.trajectories import rows_to_table, trajectory_rows
 from tests.support.tiny_models import greedy_reference, tiny_model
 
 PROMPTS = [[7, 3, 9, 1], [5], [11, 12, 13]]

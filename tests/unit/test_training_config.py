@@ -59,7 +59,7 @@ def test_data_order_covers_each_epoch_once_and_splits_ranks():
 
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     recipe = tmp_path / "train.yaml"
-    recipe.write_text("train: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
+    recipe.write_text("training: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
     done = subprocess.run(
         [sys.executable, "-m", "tasks.training", "--config", str(recipe)],
         capture_output=True,
@@ -69,11 +69,11 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        f"error: {recipe}: unknown section(s) launh; use train, launch, tracking"
+        f"error: {recipe}: unknown section(s) launh; use training, launch, tracking"
     )
-    recipe.write_text("train: {data: d, output_dir: o}\n")
+    recipe.write_text("training: {data: d, output_dir: o}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.training", "--config", str(recipe), "--set", "train.epoch=2"],
+        [sys.executable, "-m", "tasks.training", "--config", str(recipe), "--set", "training.epoch=2"],
         capture_output=True,
         text=True,
         cwd=REPO,

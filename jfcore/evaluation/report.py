@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from statistics import mean
 
-from jfcore.eval.config import REFERENCE
+from jfcore.evaluation.config import REFERENCE
 
 ALL = "all"  # the benchmark label of the rows that pool every benchmark
 COLUMNS = (
@@ -116,7 +116,7 @@ def write_report(folder: Path, samples: Sequence[dict], baseline: str) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from jfcore.eval import plots
+    from jfcore.evaluation import plots
 
     table = summarize(samples, baseline)
     markdown = markdown_table(table, samples)

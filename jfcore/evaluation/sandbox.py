@@ -2,7 +2,7 @@
 
 Two processes per program:
 - the program runs in `sandbox_server.py`, inside operating-system isolation
-  (`jfcore.eval.isolation`: its own pid, network, mount, ipc and uts namespaces, an
+  (`jfcore.evaluation.isolation`: its own pid, network, mount, ipc and uts namespaces, an
   unprivileged uid without capabilities, a read-only system, a size-capped tmpfs as its
   only writable folder, a minimal environment), with CPU time, address space, file size,
   open file and process-count limits, and an audit hook as a first tripwire that says
@@ -49,7 +49,7 @@ from typing import Literal
 
 from typing_extensions import Self
 
-from jfcore.eval.isolation import ENVIRONMENT, IsolationUnavailable, require_isolation, sandbox_command
+from jfcore.evaluation.isolation import ENVIRONMENT, IsolationUnavailable, require_isolation, sandbox_command
 
 SERVER = Path(__file__).with_name("sandbox_server.py")
 REFERENCE = "__jf_sandbox_reference__"  # the same marker as in sandbox_server.py

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from jfcore.config import ConfigError, check
-from jfcore.eval.answers import gsm8k_correct, gsm8k_gold, math_correct
-from jfcore.eval.code import CodeProblem, humaneval_problem, mbpp_problem, score_completion
+from jfcore.evaluation.answers import gsm8k_correct, gsm8k_gold, math_correct
+from jfcore.evaluation.code import CodeProblem, humaneval_problem, mbpp_problem, score_completion
 from jfcore.paths import EVAL_FILES, default_data_dir
 
 BenchmarkName = Literal["humaneval", "mbpp", "mbpp_full", "gsm8k", "math500"]

@@ -1,4 +1,4 @@
-"""Run inside the sandbox by jfcore.eval.isolation: prints "isolated" when the isolation took effect."""
+"""Run inside the sandbox by jfcore.evaluation.isolation: prints "isolated" when the isolation took effect."""
 
 import os
 from pathlib import Path

@@ -1,7 +1,7 @@
 """The untrusted side of the code sandbox: loads one model-written program and answers calls into it.
 
-Run as `python -I sandbox_server.py` by jfcore.eval.sandbox, inside the operating-system
-isolation of jfcore.eval.isolation (or, unsafe, as a plain child process in a fresh temporary
+Run as `python -I sandbox_server.py` by jfcore.evaluation.sandbox, inside the operating-system
+isolation of jfcore.evaluation.isolation (or, unsafe, as a plain child process in a fresh temporary
 folder), with a minimal environment; it sets its resource limits itself before the program
 runs. Standard library only.
 

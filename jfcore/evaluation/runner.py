@@ -11,39 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from jfcore.chat import encode_chat
 from jfcore.decoding import special_tokens
 from jfcore.decoding.reference import first_divergence
-from jfcore.eval.benchmarks import Problem, Score
-from jfcore.eval.config import REFERENCE, DecodingSettings, EvalModel
-from jfcore.eval.methods import Method, hf_method, project_method
+from jfcore.evaluation.benchmarks import Problem, Score
+from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
+from jfcore.evaluation.methods import Method, hf_method, project_method
 from jfcore.models import load_model, model_fingerprint, tokenizer_fingerprint
-
-# One row per (problem, model, method).
-SAMPLE_SCHEMA = pa.schema(
-    [
-        ("benchmark", pa.string()),
-        ("problem_id", pa.string()),
-        ("model", pa.string()),
-        ("method", pa.string()),
-        ("prompt_tokens", pa.int32()),
-        ("new_tokens", pa.int32()),
-        ("decode_forwards", pa.int32()),
-        ("prefill_seconds", pa.float64()),
-        ("decode_seconds", pa.float64()),
-        ("forward_seconds", pa.float64()),
-        ("tpf", pa.float64()),
-        ("tokens", pa.list_(pa.int32())),
-        ("completion", pa.string()),
-        ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
-        ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
-        ("correct", pa.bool_()),
-        ("verdict", pa.string()),  # code: passed, failed, timeout, load_error or error; math: correct or wrong
-        ("detail", pa.string()),  # why a completion scored as it did ("passed", "failed: ...", "wrong answer")
-    ]
-)
 
 
 @dataclass

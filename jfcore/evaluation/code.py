@@ -12,7 +12,7 @@ references need under 0.1 s:
 | mbpp, mbpp_full | task 123 (sum of amicable numbers below 9999) | 2.85-2.99 s | 15 s (5x) |
 
 A host that runs Python slower gets proportionally more (`jfcore.hostspeed.slowdown`),
-and the wall clock is only a backstop (`jfcore.eval.sandbox`), so neither a slow nor a
+and the wall clock is only a backstop (`jfcore.evaluation.sandbox`), so neither a slow nor a
 busy host fails a correct program. A program over its budget gets the verdict
 "timeout", which the results table counts apart from wrong answers.
 """
@@ -23,8 +23,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from jfcore.eval.programs import extract_program
-from jfcore.eval.sandbox import SandboxLimits, Verdict, judge
+from jfcore.evaluation.programs import extract_program
+from jfcore.evaluation.sandbox import SandboxLimits, Verdict, judge
 from jfcore.hostspeed import scaled
 
 CPU_BUDGET_S = {"humaneval": 5.0, "mbpp": 15.0, "mbpp_full": 15.0}  # reference-machine seconds; see above

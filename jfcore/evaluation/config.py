@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from jfcore.config import check
-from jfcore.eval.benchmarks import BenchmarkConfig
+from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.models import ModelConfig
 
 MethodName = Literal["hf_greedy", "jacobi", "multiblock"]
@@ -67,17 +67,21 @@ class EvalConfig:
     decoding: DecodingSettings = field(default_factory=DecodingSettings)
     problems_per_shard: int = 4  # the unit of work for a worker and of resuming
     data_dir: str | None = None  # the shared data folder; default $JF_SHARED_DATA or ../shared/data
-    # Run model-written programs without operating-system isolation (jfcore.eval.isolation), on a host that
+    # Run model-written programs without operating-system isolation (jfcore.evaluation.isolation), on a host that
     # cannot provide it, and only for trusted programs; logged, and recorded with the results.
     unsafe_no_isolation: bool = False
 
     def __post_init__(self) -> None:
-        check(bool(self.models), "eval.models: name at least one model, e.g. {base: {model: {name_or_path: ...}}}")
+        check(
+            bool(self.models), "EvalConfig.models: name at least one model, e.g. {base: {model: {name_or_path: ...}}}"
+        )
         check(
             self.baseline in self.models,
-            f"eval.baseline: {self.baseline!r} is not one of the models ({', '.join(self.models)})",
+            f"EvalConfig.baseline: {self.baseline!r} is not one of the models ({', '.join(self.models)})",
         )
-        check(bool(self.benchmarks), "eval.benchmarks: list at least one, e.g. [{name: gsm8k, limit: 20}]")
+        check(bool(self.benchmarks), "EvalConfig.benchmarks: list at least one, e.g. [{name: gsm8k, limit: 20}]")
         names = [b.name for b in self.benchmarks]
-        check(len(set(names)) == len(names), f"eval.benchmarks: a benchmark is listed twice in {names}")
-        check(self.problems_per_shard >= 1, f"eval.problems_per_shard: must be >= 1, got {self.problems_per_shard}")
+        check(len(set(names)) == len(names), f"EvalConfig.benchmarks: a benchmark is listed twice in {names}")
+        check(
+            self.problems_per_shard >= 1, f"EvalConfig.problems_per_shard: must be >= 1, got {self.problems_per_shard}"
+        )
