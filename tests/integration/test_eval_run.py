@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
         # The "trained" checkpoint logged and registered the way the training stage does it.
         tracking = TrackingConfig(uri=uri, experiment="eval-tests", registered_model="jf-eval-tiny")
         run_id = stage_run(tracking, root / "training-stage", "training", {"checkpoint": str(trained)})
-        logged = log_model_by_path(tracking, run_id, trained, root / "train-stage")
+        logged = log_model_by_path(tracking, run_id, trained, root / "training-stage")
         yield {
             "root": root,
             "base": base,
@@ -137,7 +137,7 @@ def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):
     assert run.info.status == "FINISHED"
     assert run.data.tags["jacobi_forcing.stage"] == "evaluation"
     assert run.data.tags["mlflow.note.content"] == result.markdown
-    assert run.data.params["eval.decoding.block_size"] == "4"
+    assert run.data.params["evaluation.decoding.block_size"] == "4"
     row = next(r for r in result.table if (r["benchmark"], r["model"], r["method"]) == ("gsm8k", "trained", "jacobi"))
     assert run.data.metrics["gsm8k/trained/jacobi/tpf"] == pytest.approx(row["tpf"])
     assert run.data.metrics["all/base/multiblock/exact"] == 1.0
@@ -191,7 +191,7 @@ def test_bad_inputs_fail_before_ray_starts(setup, tmp_path):
 
 
 def test_code_evaluation_refuses_to_run_unisolated_unless_told_it_is_unsafe(setup, evaluated, tmp_path, monkeypatch):
-    assert evaluated[0]["code_isolation"] == "bubblewrap namespaces, unprivileged uid"
+    assert evaluated[0].code_isolation == "bubblewrap namespaces, unprivileged uid"
     monkeypatch.setenv("PATH", "/nonexistent")  # a host without bubblewrap
     isolation_problem.cache_clear()
     try:
@@ -212,7 +212,7 @@ def test_code_evaluation_refuses_to_run_unisolated_unless_told_it_is_unsafe(setu
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     recipe = tmp_path / "eval.yaml"
     recipe.write_text(
-        "eval:\n  output_dir: out\n  models: {base: {model: {name_or_path: m}}}\n"
+        "evaluation:\n  output_dir: out\n  models: {base: {model: {name_or_path: m}}}\n"
         "  benchmarks: [{name: gsm8k}]\n  decoding: {block_sise: 8}\n"
     )
     done = subprocess.run(
@@ -224,6 +224,6 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: eval.decoding: unknown key 'block_sise' (did you mean 'block_size'?); valid keys: block_size, "
+        "error: evaluation.decoding: unknown key 'block_sise' (did you mean 'block_size'?); valid keys: block_size, "
         "max_new_tokens, methods, ngram_size, num_blocks, pool_size, spawn_ratio, warmup_tokens"
     )

@@ -116,7 +116,9 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
 
     mlflow = client(tracking(setup, "whole"))
     run = mlflow.get_run(uninterrupted.mlflow_run_id)
-    assert run.data.params["train.ar_weight"] == "10.0" and run.data.params["deepspeed.zero_optimization.stage"] == "2"
+    assert (
+        run.data.params["training.ar_weight"] == "10.0" and run.data.params["deepspeed.zero_optimization.stage"] == "2"
+    )
     assert run.data.params["launch.processes"] == "2"
     for name in (*CURVE, "tokens_per_second"):
         history = mlflow.get_metric_history(run.info.run_id, name)
@@ -137,7 +139,7 @@ def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uni
     from jfcore.models import load_model
 
     mlflow.set_tracking_uri(setup["mlflow"])
-    uri = f"models:/jf-tiny/{uninterrupted['model']['version']}"
+    uri = f"models:/jf-tiny/{uninterrupted.version}"
     defaults = {p.name: p.default for p in mlflow.models.get_model_info(uri).signature.params}
     assert defaults == {"method": "multiblock", "block_size": 4, "max_new_tokens": 256}  # trained at block size 4
     served = mlflow.pyfunc.load_model(uri)
