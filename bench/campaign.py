@@ -111,14 +111,22 @@ def load_campaign(profile: str, overrides: list[str] | None = None) -> Campaign:
 
 
 class Log:
-    """Lines to stdout and to campaign.log in the work folder."""
+    """Lines to stdout and to campaign.log in the work folder, with paths as configured rather than as resolved
+    on this machine (the log is published): the work folder as the profile names it, the repository's files
+    relative to it, and the Python installation as `<python>`."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, configured: str):
         folder.mkdir(parents=True, exist_ok=True)
         self.file = open(folder / "campaign.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the run)
+        self.paths = {str(folder): configured, f"{REPO}/": "", sys.base_prefix: "<python>"}
+
+    def portable(self, line: str) -> str:
+        for machine, configured in self.paths.items():
+            line = line.replace(machine, configured)
+        return line
 
     def __call__(self, line: str) -> None:
-        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        stamped = f"{time.strftime('%H:%M:%S')} {self.portable(line)}"
         print(stamped, flush=True)
         self.file.write(stamped + "\n")
 
@@ -407,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         campaign = load_campaign(args.profile, args.set)
-        log = Log(campaign.work_dir)
+        log = Log(campaign.work_dir, campaign.recipe.work_dir)
         log(f"campaign {campaign.source}: phase {args.phase}, work dir {campaign.work_dir}")
         if args.flow:
             run_flow(campaign, log)
