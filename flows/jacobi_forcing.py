@@ -98,9 +98,9 @@ def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: Tracking
         model = replace(config.model, name_or_path=champion.checkpoint, gguf_file=None) if champion else model
         start = f"{tracking.registered_model} v{champion.version}" if champion else "the base model (no champion yet)"
         log.info(f"retrain_from champion: training starts from {start}")
-    plans = config.stages(model)
+    plans = config.stages()
     for i, plan in enumerate(plans):
-        plan = plan.starting_from(model)  # a curriculum stage starts from the previous stage's export
+        plan = plan.starting_from(model)  # the champion, or a curriculum stage's previous export
         # Only the last stage's model is registered; earlier ones are logged in their runs.
         registered = tracking if i == len(plans) - 1 else replace(tracking, registered_model=None)
         trajectories = trajectories_task(

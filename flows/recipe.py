@@ -141,10 +141,9 @@ class Recipe:
     def path(self, stage: str) -> Path:
         return Path(self.work_dir).expanduser().resolve() / stage
 
-    def stages(self, model: ModelConfig | None = None) -> list[StagePlan]:
-        """The training stages in order, the first starting from `model` (default the recipe's): the curriculum's,
-        or the one the recipe describes."""
-        root, model = Path(self.work_dir).expanduser().resolve(), model or self.model
+    def stages(self) -> list[StagePlan]:
+        """The training stages in order: the curriculum's, or the one the recipe describes."""
+        root, model = Path(self.work_dir).expanduser().resolve(), self.model
         if not self.curriculum:
             return [self._plan("training", root, model, self.prompts, self.trajectories, self.packing, self.training)]
         plans = []
