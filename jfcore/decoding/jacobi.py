@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,9 +40,10 @@ Candidates = list[tuple[int, tuple[int, ...]]]  # (first slot, continuation toke
 
 
 @dataclass
-class _Row:
+class Row:
     index: int
     prompt: list[int]
+    max_new_tokens: int
     out: list[int] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)  # drafts in flight; blocks[0][0] is known-correct
     sizes: list[int] = field(default_factory=list)  # full size of each in-flight block
@@ -82,37 +83,33 @@ class JacobiDecoder:
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
 
+    def new_row(self, index: int, prompt: list[int], max_new_tokens: int | None = None) -> Row:
+        """A row for `prompt`. Its filler generator is seeded by the seed and the prompt, so a prompt's drafts
+        (and its recorded trajectory) do not depend on which prompts share its batch."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        limit = max_new_tokens or self.config.max_new_tokens
+        row = Row(index, list(prompt), max_new_tokens=limit, rng=random.Random(f"{self.config.seed}:{list(prompt)}"))
+        if self.config.recycling:
+            row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
+        return row
+
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]]) -> DecodeOutput:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("decode needs at least one prompt, and every prompt at least one token")
-        # One filler generator per row, seeded by the seed and the prompt: a prompt's drafts (and so
-        # its recorded trajectory) do not depend on which prompts share its batch.
-        rows = [_Row(i, list(p), rng=random.Random(f"{self.config.seed}:{p}")) for i, p in enumerate(prompts)]
-        if self.config.recycling:
-            for row in rows:
-                row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
         stats = DecodeStats()
-
+        live = LiveBatch(self)
         start = time.perf_counter()
-        batch = SlotBatch(self.model, len(rows))
-        tokens, valid, positions = left_pad([r.prompt for r in rows], self.pad)
-        logits = batch.forward(tokens, valid, positions, **self.prefill_kwargs)
-        batch.keep(valid)
-        self.vocab_size = logits.shape[-1]
-        for row, first in zip(rows, logits[:, -1].argmax(-1).tolist()):
-            self._carry_on(row, first, guess=first, progress=0)
+        rows = live.add(prompts)
         stats.prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        batch.forward_seconds = 0.0
-        active = self._drop_finished(batch, rows, list(range(len(rows))))
-        while active:
-            self._step(batch, active, stats.forward_calls)
-            stats.forward_calls += 1
-            active = self._drop_finished(batch, active, list(range(len(active))))
+        while live.rows:
+            live.step()
         stats.decode_seconds = time.perf_counter() - start
-        stats.forward_seconds = batch.forward_seconds
+        stats.forward_calls = live.steps
+        stats.forward_seconds = live.forward_seconds
         stats.tokens_per_row = [len(r.out) for r in rows]
         stats.forwards_per_row = [r.forwards for r in rows]
         stats.new_tokens = sum(stats.tokens_per_row)
@@ -121,16 +118,9 @@ class JacobiDecoder:
         trajectories = [r.trajectories for r in rows] if self.record else None
         return DecodeOutput([r.out for r in rows], stats, trajectories)
 
-    @staticmethod
-    def _drop_finished(batch: SlotBatch, rows: list[_Row], slots: list[int]) -> list[_Row]:
-        keep = [i for i in slots if not rows[i].finished]
-        if keep and len(keep) < len(rows):
-            batch.select_rows(keep)
-        return [rows[i] for i in keep]
-
     # -- one decode forward for every active row ---------------------------------------------
 
-    def _step(self, batch: SlotBatch, rows: list[_Row], step: int) -> None:
+    def _step(self, batch: SlotBatch, rows: list[Row], step: int) -> None:
         base = [len(r.prompt) + r.verified for r in rows]  # next position = committed tokens, no device sync
         layouts = [self._layout(row) for row in rows]
         width = max(len(inputs) for inputs, _, _ in layouts)
@@ -159,7 +149,7 @@ class JacobiDecoder:
             committed = [len(r.prompt) + r.verified for r in rows]
             self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist()))
 
-    def _layout(self, row: _Row) -> tuple[list[int], list[int], Candidates]:
+    def _layout(self, row: Row) -> tuple[list[int], list[int], Candidates]:
         """The row's forward input: its draft, then recycled candidates; and their position offsets."""
         draft = row.draft
         if self.record:
@@ -172,7 +162,7 @@ class JacobiDecoder:
                 offsets.extend(range(1, len(gram) + 1))
         return inputs, offsets, cands
 
-    def _verify(self, row: _Row, pred: list[int], cands: Candidates) -> list[int]:
+    def _verify(self, row: Row, pred: list[int], cands: Candidates) -> list[int]:
         """Commit the longest verified run and update the rest of the draft. Returns the kept slots."""
         draft = row.draft
         a = 1
@@ -204,7 +194,7 @@ class JacobiDecoder:
         self._carry_on(row, correction, guess, progress)
         return slots
 
-    def _newest_progress(self, row: _Row, draft: list[int], pred: list[int]) -> int:
+    def _newest_progress(self, row: Row, draft: list[int], pred: list[int]) -> int:
         """Leading tokens of the newest block that are committed or left unchanged by this update."""
         start = len(draft) - len(row.blocks[-1])
         i = max(start, 1)
@@ -212,7 +202,7 @@ class JacobiDecoder:
             i += 1
         return (row.done if len(row.blocks) == 1 else 0) + i - start
 
-    def _consume(self, row: _Row, count: int) -> None:
+    def _consume(self, row: Row, count: int) -> None:
         """Remove `count` committed tokens from the front of the in-flight blocks."""
         while count > 0:
             take = min(count, len(row.blocks[0]))
@@ -229,9 +219,9 @@ class JacobiDecoder:
 
     # -- emitting tokens, finishing, starting blocks ----------------------------------------
 
-    def _emit(self, row: _Row, accepted: list[int]) -> bool:
+    def _emit(self, row: Row, accepted: list[int]) -> bool:
         """Append committed tokens, stopping at the first EOS or the token budget. True if finished."""
-        budget = self.config.max_new_tokens - len(row.out)
+        budget = row.max_new_tokens - len(row.out)
         cut = next((i + 1 for i, t in enumerate(accepted[:budget]) if t in self.eos), None)
         if cut is None and len(accepted) < budget:
             row.out.extend(accepted)
@@ -239,10 +229,10 @@ class JacobiDecoder:
         self._finish(row, accepted[: cut or budget])
         return True
 
-    def _carry_on(self, row: _Row, next_token: int, guess: int, progress: int) -> None:
+    def _carry_on(self, row: Row, next_token: int, guess: int, progress: int) -> None:
         """Finish with the known next token, or keep drafting from it."""
         cfg = self.config
-        if next_token in self.eos or len(row.out) + 1 >= cfg.max_new_tokens:
+        if next_token in self.eos or len(row.out) + 1 >= row.max_new_tokens:
             if not row.blocks:
                 row.block_start = len(row.out)
             self._finish(row, [next_token])
@@ -252,10 +242,10 @@ class JacobiDecoder:
         elif len(row.blocks) < cfg.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
             self._open_block(row, guess)
 
-    def _open_block(self, row: _Row, first: int) -> None:
+    def _open_block(self, row: Row, first: int) -> None:
         """A block of n tokens (fewer near the token budget): `first`, then seeded filler."""
         in_flight = sum(len(b) for b in row.blocks)
-        size = min(self.block_size, self.config.max_new_tokens - len(row.out) - in_flight)
+        size = min(self.block_size, row.max_new_tokens - len(row.out) - in_flight)
         if size <= 0:
             return
         if self.config.filler == "random":
@@ -265,13 +255,13 @@ class JacobiDecoder:
         row.blocks.append([first, *filler])
         row.sizes.append(size)
 
-    def _finish(self, row: _Row, last: list[int]) -> None:
+    def _finish(self, row: Row, last: list[int]) -> None:
         row.out.extend(last)
         row.finished = True
         row.blocks, row.sizes = [], []
         self._close_block(row, len(row.out))
 
-    def _close_block(self, row: _Row, end: int) -> None:
+    def _close_block(self, row: Row, end: int) -> None:
         """Record block 0's trajectory: its states, cut to its length, ending at its fixed point."""
         if not self.record:
             return
@@ -281,6 +271,75 @@ class JacobiDecoder:
             states.append(fixed)  # reached through a recycled n-gram or a token emitted without a forward
         row.trajectories.append(BlockTrajectory(row.block_start, states))
         row.states = []
+
+
+class LiveBatch:
+    """Rows that decode together, one forward per step (continuous batching).
+
+    Prompts join between forwards (`add`: a prefill of their own, then their cache slots are merged into the
+    batch's), finished and cancelled rows leave, and every row's tokens are its own greedy output whatever else
+    shares the batch: each row attends only to its own valid slots at its own positions.
+    """
+
+    def __init__(self, decoder: JacobiDecoder):
+        self.decoder = decoder
+        self.rows: list[Row] = []
+        self.slots: SlotBatch | None = None
+        self.steps = 0  # decode forwards run
+        self.forward_seconds = 0.0  # time inside those forwards
+        self._admitted = 0
+
+    @property
+    def joinable(self) -> bool:
+        """Whether new rows can join now (always once the batch is empty; caches with special layers cannot merge)."""
+        return self.slots is None or self.slots.mergeable
+
+    @torch.inference_mode()
+    def add(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int | None] | None = None) -> list[Row]:
+        """Prefill `prompts` and let them join the batch. Returns their rows, some perhaps finished already
+        (a first token that is EOS, or a budget of one token)."""
+        d = self.decoder
+        limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
+        new = [d.new_row(self._admitted + i, list(map(int, p)), m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        self._admitted += len(new)
+        slots = SlotBatch(d.model, len(new))
+        tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
+        logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
+        slots.keep(valid)
+        d.vocab_size = logits.shape[-1]
+        for row, first in zip(new, logits[:, -1].argmax(-1).tolist()):
+            d._carry_on(row, first, guess=first, progress=0)
+        staying = [i for i, row in enumerate(new) if not row.finished]
+        if staying:
+            if len(staying) < len(new):
+                slots.select_rows(staying)
+            if self.slots is None:
+                self.slots = slots
+            else:
+                self.slots.extend(slots)
+            self.rows += [new[i] for i in staying]
+        return new
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One forward for every row. Returns the rows that finished; they have left the batch."""
+        before = self.slots.forward_seconds
+        self.decoder._step(self.slots, self.rows, self.steps)
+        self.forward_seconds += self.slots.forward_seconds - before
+        self.steps += 1
+        return self.remove([row for row in self.rows if row.finished])
+
+    def remove(self, leaving: list[Row]) -> list[Row]:
+        """Take rows out of the batch (finished, or cancelled by their caller)."""
+        gone = {id(row) for row in leaving}
+        keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        if len(keep) < len(self.rows):
+            if keep:
+                self.slots.select_rows(keep)
+            else:
+                self.slots = None
+            self.rows = [self.rows[i] for i in keep]
+        return leaving
 
 
 def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:

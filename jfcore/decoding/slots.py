@@ -103,6 +103,23 @@ class SlotBatch:
         self.valid = self.valid[index]
         self._maybe_compact()
 
+    @property
+    def mergeable(self) -> bool:
+        """Whether every cache layer is a plain dynamic one, whose slots this class may move (see `extend`)."""
+        layers = getattr(self.cache, "layers", [])
+        return all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
+
+    def extend(self, other: SlotBatch) -> None:
+        """Append `other`'s rows (continuous batching). Both are right-aligned to the wider slot count; the
+        shorter side's new leading slots are holes, masked out like left padding."""
+        if not (self.mergeable and other.mergeable):
+            raise ValueError("this model's cache has special layers (sliding window, ...): batches cannot merge")
+        width = max(self.num_slots, other.num_slots)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_grow(mine.keys, width), _left_grow(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_left_grow(mine.values, width), _left_grow(theirs.values, width)], dim=0)
+        self.valid = torch.cat([_left_grow(self.valid, width), _left_grow(other.valid, width)], dim=0)
+
     def _maybe_compact(self) -> None:
         """Squeeze out holes once they waste a quarter of the cache (and at least 32 slots)."""
         counts = self.lengths()
@@ -110,19 +127,29 @@ class SlotBatch:
         waste = self.num_slots - width
         if not self.compact or waste < max(32, self.num_slots // 4):
             return
-        layers = getattr(self.cache, "layers", [])
         # Sliding-window and other special layers keep their own bookkeeping: leave them alone.
-        if not layers or any(type(layer) is not DynamicLayer or layer.keys is None for layer in layers):
+        if not getattr(self.cache, "layers", None) or not self.mergeable:
             return
         # Row b's valid slots, right-aligned into `width` slots (left padding for shorter rows).
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
         new_valid = torch.gather(self.valid, 1, order)
         order = order.to(self.device)
-        for layer in layers:
+        for layer in self.cache.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = torch.gather(layer.keys, 2, index)
             layer.values = torch.gather(layer.values, 2, index)
         self.valid = new_valid
+
+
+def _left_grow(slots: torch.Tensor, width: int) -> torch.Tensor:
+    """`slots` with zero (invalid) slots added in front of the slot axis (dim 2 of KV, dim 1 of `valid`)."""
+    dim = 1 if slots.dim() == 2 else 2
+    missing = width - slots.shape[dim]
+    if missing == 0:
+        return slots
+    shape = list(slots.shape)
+    shape[dim] = missing
+    return torch.cat([slots.new_zeros(shape), slots], dim=dim)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -70,3 +70,50 @@ def mlflow_server(folder: Path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@contextlib.contextmanager
+def jf_serve(folder: Path, *args: str, api_key: str | None = None):
+    """A real `jf-serve` process on a free port; yields its base URL (…/v1 is the OpenAI API)."""
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.pop("JF_API_KEY", None)
+    if api_key:
+        env["JF_API_KEY"] = api_key  # through the environment, as a deployment would pass a secret
+    log_path = folder / f"serve-{port}.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed in the finally below)
+    command = [sys.executable, "-m", "tasks.serve", "--port", str(port), *args]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + scaled(300)
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"jf-serve did not start: {log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def prometheus_value(url: str, name: str, api_key: str | None = None) -> float:
+    """One sample of a server's /metrics (0 when absent), e.g. 'jf_requests_total{finish_reason="cancelled"}'."""
+    request = urllib.request.Request(
+        f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    return 0.0

@@ -85,13 +85,22 @@ def position_model(seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def save_tiny_checkpoint(path: Path, vocab_size: int = 128, seed: int = 0, initializer_range: float = 0.02) -> Path:
-    """A random 2-layer Llama and a word-level tokenizer (words w0, w1, ...; no pad token),
-    saved like any checkpoint, for tests that load models by path."""
+# A chat template in the tiny vocabulary: w3 opens a turn, w4 closes it, w5 starts the assistant's answer.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+)
+
+
+def save_tiny_checkpoint(
+    path: Path, vocab_size: int = 128, seed: int = 0, initializer_range: float = 0.02, chat_template: str | None = None
+) -> Path:
+    """A random 2-layer Llama and a word-level tokenizer (words w0, w1, ...; no pad token; a chat template
+    when given), saved like any checkpoint, for tests that load models by path."""
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = chat_template
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,

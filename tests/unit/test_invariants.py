@@ -142,11 +142,11 @@ def test_stats_are_consistent():
 def test_promoted_block_keeps_its_progress():
     """When acceptance runs past block 0 into block 1, block 1 is promoted with its verified
     tokens committed and the rest of its draft updated, not restarted from filler."""
-    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+    from jfcore.decoding.jacobi import JacobiDecoder, Row
 
     config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100)
     decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
-    row = _Row(0, [1, 2, 3], out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
+    row = Row(0, [1, 2, 3], 100, out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
     # The model confirms 11 and 12 (crossing into block 1) and rejects 13, predicting 40 instead.
     predictions = [11, 12, 40, 50, 51, 52]
     kept = decoder._verify(row, predictions, cands=[])
@@ -156,14 +156,14 @@ def test_promoted_block_keeps_its_progress():
 
 
 def test_pseudo_active_block_spawns_from_the_model_guess():
-    from jfcore.decoding.jacobi import JacobiDecoder, _Row
+    from jfcore.decoding.jacobi import JacobiDecoder, Row
 
     config = DecodeConfig(
         method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100, spawn_ratio=0.75
     )
     decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
     decoder.vocab_size = 96
-    row = _Row(0, [1, 2, 3], out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
+    row = Row(0, [1, 2, 3], 100, out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
     # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
     decoder._verify(row, [11, 12, 30, 77], cands=[])
     assert row.out == [10, 11, 12]

@@ -1,0 +1,276 @@
+"""jf-serve as a real process, spoken to with the real `openai` client: every response equals the model's
+greedy `generate` output whatever shares the batch, streamed text equals the whole text, a client that goes
+away mid-stream frees its row, bad requests get OpenAI-shaped errors, and the API key is enforced."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from jfcore.models import ModelConfig, load_model
+from tests.support.servers import jf_serve, prometheus_value
+from tests.support.tiny_models import TINY_CHAT_TEMPLATE, save_tiny_checkpoint
+
+KEY = "test-key-3f9a"
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # A wide init: peaked logits, so batching's float32 rounding cannot flip a greedy argmax by accident.
+    folder = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "ck", initializer_range=0.3, chat_template=TINY_CHAT_TEMPLATE
+    )
+    return folder, *load_model(ModelConfig(str(folder)))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    folder, _, _ = tiny
+    args = ["--model", str(folder), "--served-model-name", NAME, "--method", "jacobi", "--block-size", "4"]
+    with jf_serve(tmp_path_factory.mktemp("serve"), *args, "--max-batch-size", "8", api_key=KEY) as url:
+        yield url
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def greedy_text(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, int]:
+    """The text and token count `generate(do_sample=False)` gives (float32, one unpadded prompt)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    new = out[0, len(prompt_ids) :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+    )
+
+
+def ask(c: openai.OpenAI, kind: str, text: str, max_tokens: int, stream: bool) -> tuple[str, int | None]:
+    """One request through the openai client; streamed chunks are concatenated."""
+    if kind == "chat":
+        messages = [{"role": "user", "content": text}]
+        if not stream:
+            reply = c.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens, temperature=0)
+            return reply.choices[0].message.content, reply.usage.completion_tokens
+        chunks = c.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}
+        )
+        pieces, usage = [], None
+        for chunk in chunks:
+            pieces += [ch.delta.content or "" for ch in chunk.choices]
+            usage = chunk.usage.completion_tokens if chunk.usage else usage
+        return "".join(pieces), usage
+    if not stream:
+        reply = c.completions.create(model=NAME, prompt=text, max_tokens=max_tokens)
+        return reply.choices[0].text, reply.usage.completion_tokens
+    chunks = c.completions.create(model=NAME, prompt=text, max_tokens=max_tokens, stream=True)
+    return "".join(chunk.choices[0].text for chunk in chunks), None
+
+
+def words(n: int, start: int = 6) -> str:
+    return " ".join(f"w{start + (7 * i) % 100}" for i in range(n))
+
+
+def test_concurrent_requests_each_equal_greedy(server, tiny):
+    """8 concurrent requests of different lengths (completions and chat, streamed and not) share the batch;
+    each equals its own greedy output, and the forwards really were shared."""
+    _, model, tokenizer = tiny
+    cases = [
+        (kind, words(3 + 5 * i, start=6 + i), 20 + 25 * i, stream)
+        for i, (kind, stream) in enumerate([(k, s) for k in ("completion", "chat") for s in (False, True)] * 2)
+    ]
+    rows_before = prometheus_value(server, "jf_row_forwards_total", KEY)
+    calls_before = prometheus_value(server, "jf_forward_passes_total", KEY)
+    c = client(server)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        replies = list(pool.map(lambda case: ask(c, *case), cases))
+    for (kind, text, max_tokens, stream), (got, count) in zip(cases, replies):
+        ids = chat_ids(tokenizer, text) if kind == "chat" else tokenizer(text)["input_ids"]
+        expected, expected_count = greedy_text(model, tokenizer, ids, max_tokens)
+        assert got == expected, (kind, stream, max_tokens)
+        assert count in (None, expected_count)
+    rows = prometheus_value(server, "jf_row_forwards_total", KEY) - rows_before
+    calls = prometheus_value(server, "jf_forward_passes_total", KEY) - calls_before
+    assert calls < rows, f"{calls} forward calls served {rows} row-forwards: the requests never shared a batch"
+
+
+def test_streamed_chunks_concatenate_to_the_whole_text(server):
+    c = client(server)
+    for kind in ("completion", "chat"):
+        whole, _ = ask(c, kind, words(9), 60, stream=False)
+        streamed, _ = ask(c, kind, words(9), 60, stream=True)
+        assert streamed == whole and whole
+
+
+def test_stop_sequences_cut_the_text(server, tiny):
+    _, model, tokenizer = tiny
+    text = words(5)
+    full, _ = greedy_text(model, tokenizer, tokenizer(text)["input_ids"], 40)
+    stop = full.split()[3]  # a word the greedy output reaches
+    reply = client(server).completions.create(model=NAME, prompt=text, max_tokens=40, stop=[stop])
+    assert reply.choices[0].text == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_client_that_disconnects_mid_stream_leaves_the_others_correct(server, tiny):
+    _, model, tokenizer = tiny
+    cancelled_before = prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY)
+    others = [words(4 + i, start=20 + i) for i in range(3)]
+    c = client(server)
+
+    def leave_early() -> int:
+        body = {"model": NAME, "prompt": words(6), "max_tokens": 1900, "stream": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        seen = 0
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    break  # leaving the block closes the connection mid-stream
+        return seen
+
+    with ThreadPoolExecutor(4) as pool:
+        leaving = pool.submit(leave_early)
+        replies = list(pool.map(lambda t: ask(c, "completion", t, 80, stream=True), others))
+        assert leaving.result() == 3
+    for text, (got, _) in zip(others, replies):
+        assert got == greedy_text(model, tokenizer, tokenizer(text)["input_ids"], 80)[0]
+    deadline = time.time() + 30
+    while prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY) == cancelled_before:
+        assert time.time() < deadline, "the disconnected stream's row was never cancelled"
+        time.sleep(0.2)
+    assert prometheus_value(server, "jf_batch_size", KEY) == 0  # its 1900-token row did not run to the end
+    assert ask(c, "completion", words(3), 10, stream=False)[0]  # and the server still serves
+
+
+def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words_in_message", "code"),
+    [
+        ({"model": NAME}, 400, "'prompt' is required", None),
+        ({"prompt": "w1"}, 400, "'model' is required", None),
+        ({"model": "gpt-4", "prompt": "w1"}, 404, "does not exist", "model_not_found"),
+        ({"model": NAME, "prompt": words(2100)}, 400, "maximum context length is 2048", "context_length_exceeded"),
+        ({"model": NAME, "prompt": "w1", "max_tokens": 2048}, 400, "maximum context length", "context_length_exceeded"),
+        ({"model": NAME, "prompt": "w1", "temperature": 0.8}, 400, "decodes greedily", None),
+        ({"model": NAME, "prompt": "w1", "n": 3}, 400, "n=3 is not supported", None),
+        ({"model": NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens", None),
+        ({"model": NAME, "prompt": "w1", "frobnicate": True}, 400, "unrecognized request argument: 'frobnicate'", None),
+        ({"model": NAME, "prompt": [5, 999]}, 400, "outside the vocabulary", None),
+        ({"model": NAME, "prompt": ""}, 400, "prompt is empty", None),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, words_in_message, code):
+    got, reply = post(server, json.dumps(body).encode())
+    assert got == status
+    assert words_in_message in reply["error"]["message"]
+    assert reply["error"]["code"] == code and reply["error"]["type"]
+
+
+def test_malformed_json_and_the_server_keeps_serving(server):
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        status, reply = post(server, raw)
+        assert status == 400 and ("JSON" in reply["error"]["message"]), raw
+    status, reply = post(server, json.dumps({"model": NAME, "prompt": "w1 w2", "max_tokens": 5}).encode())
+    assert status == 200 and reply["usage"]["completion_tokens"] == 5
+
+
+def test_openai_client_sees_the_errors(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="nope", prompt="w1")
+    with pytest.raises(openai.BadRequestError, match="decodes greedily"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "w1"}], temperature=1.0)
+
+
+def test_api_key_is_enforced(server):
+    assert post(server, json.dumps({"model": NAME, "prompt": "w1"}).encode(), key=None)[0] == 401
+    status, reply = post(server, json.dumps({"model": NAME, "prompt": "w1"}).encode(), key="wrong")
+    assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    assert [m.id for m in client(server).models.list().data] == [NAME]
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(f"{server}/metrics", timeout=10)
+    with urllib.request.urlopen(f"{server}/health", timeout=10) as response:  # open to health checks
+        assert json.loads(response.read())["block_size"] == 4
+
+
+def test_full_queue_answers_429(tiny, tmp_path):
+    """One row decoding and one waiting fill this server: the next request is turned away, not queued forever."""
+    folder, _, _ = tiny
+    args = ["--model", str(folder), "--served-model-name", NAME, "--max-batch-size", "1", "--max-queue", "1"]
+    with jf_serve(tmp_path, *args) as url:
+        body = json.dumps({"model": NAME, "prompt": words(4), "max_tokens": 1800}).encode()
+        started = threading.Barrier(6)
+
+        def send():
+            started.wait()
+            return post(url, body, key=None)
+
+        with ThreadPoolExecutor(6) as pool:
+            statuses = sorted(status for status, _ in pool.map(lambda _: send(), range(6)))
+        assert statuses[0] == 200 and statuses[-1] == 429, statuses
+        assert post(url, body, key=None)[0] == 200  # once the queue drains the server takes work again
+
+
+@pytest.mark.slow
+def test_smollm2_concurrent_chats_equal_greedy(tmp_path):
+    """The real model: 8 concurrent chats on real benchmark questions (multiblock, the trained default), each
+    the text greedy `generate` gives."""
+    from jfcore.chat import encode_chat
+    from jfcore.paths import eval_prompts
+
+    texts = [*eval_prompts("gsm8k", limit=3), *eval_prompts("humaneval", limit=3), *eval_prompts("mbpp", limit=2)]
+    budgets = [16 + 6 * i for i in range(len(texts))]
+    model, tokenizer = load_model(ModelConfig("smollm2-135m-instruct"))
+    with jf_serve(tmp_path, "--model", "smollm2-135m-instruct", "--method", "multiblock") as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def chat(i: int) -> str:
+            messages = [{"role": "user", "content": texts[i]}]
+            if i % 2:
+                chunks = c.chat.completions.create(
+                    model="smollm2-135m-instruct", messages=messages, max_tokens=budgets[i], stream=True
+                )
+                return "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+            reply = c.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=budgets[i])
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(len(texts)) as pool:
+            replies = list(pool.map(chat, range(len(texts))))
+        for text, budget, got in zip(texts, budgets, replies):
+            assert got == greedy_text(model, tokenizer, encode_chat(tokenizer, text), budget)[0]
+        assert prometheus_value(url, "jf_forward_passes_total") < prometheus_value(url, "jf_row_forwards_total")
