@@ -6,6 +6,7 @@ an artifact folder), all on 127.0.0.1, telemetry off, state and logs under one f
     python infra/stack.py down      # stop everything (state is kept; `up` again resumes it)
     python infra/stack.py env       # the environment to talk to the stack, as shell exports
     python infra/stack.py results   # the newest pipeline results table (a Prefect artifact) and the UI addresses
+    python infra/stack.py serve     # jf-serve the registry's champion on 127.0.0.1:$JF_SERVE_PORT (8000)
 
 State: $JF_STACK_DIR (default <repo>/.stack): prefect/ (database, results), mlflow/ (database,
 artifacts), logs/<service>.log, pids/<service>.pid. Ports: $JF_PREFECT_PORT (4200), $JF_MLFLOW_PORT (5000).
@@ -185,6 +186,15 @@ def services() -> list[Service]:
     ]
 
 
+def model_server(model: str | None = None) -> Service:
+    """jf-serve as a stack service: the registry's champion unless `model` names another."""
+    port = os.environ.get("JF_SERVE_PORT", "8000")
+    model = model or f"models:/{os.environ.get('JF_REGISTERED_MODEL', 'jacobi-forcing-smollm2')}@champion"
+    return Service(
+        "model-server", [str(BIN / "jf-serve"), "--model", model, "--port", port], f"http://127.0.0.1:{port}/health"
+    )
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -240,8 +250,18 @@ def up(recipe: str | None) -> None:
     status()
 
 
+def serve(model: str | None) -> None:
+    """Start jf-serve beside the stack (stopped by `down`); the API key, if any, comes from $JF_API_KEY."""
+    server = model_server(model)
+    if server.owner().ours:
+        print(f"model-server: already running (pid {server.pid()}); `down` stops it")
+        return
+    _start(server, os.environ | environment(), timeout_s=600)
+    print(f"OpenAI API: {server.health.removesuffix('/health')}/v1")
+
+
 def down() -> None:
-    for service in reversed(services()):
+    for service in reversed([*services(), model_server()]):
         owner = service.owner()
         if not owner.ours:
             if owner.now is not None:
@@ -269,11 +289,11 @@ def _stop(service: Service, pid: int) -> None:
 
 def status() -> None:
     prefect_port, mlflow_port = ports()
-    for service in services():
+    for service in [*services(), model_server()]:
         owner = service.owner()
         pid = owner.pid if owner.ours else None
         health = (
-            "" if service.health is None else (" healthy" if pid and _healthy(service.health) else " NOT answering")
+            "" if service.health is None or not pid else (" healthy" if _healthy(service.health) else " NOT answering")
         )
         print(f"{service.name:<15} {'pid ' + str(pid) if pid else 'stopped':<12}{health}  log {service.log_file()}")
         if not owner.ours and owner.now is not None:
@@ -301,8 +321,9 @@ def results() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "results"])
+    parser.add_argument("command", choices=["up", "down", "status", "env", "results", "serve"])
     parser.add_argument("--recipe", help="recipe the deployments run (default configs/pipeline_smollm2_cpu.yaml)")
+    parser.add_argument("--model", help="what `serve` serves (default models:/$JF_REGISTERED_MODEL@champion)")
     args = parser.parse_args(argv)
     if args.command == "up":
         up(args.recipe)
@@ -312,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         status()
     elif args.command == "results":
         results()
+    elif args.command == "serve":
+        serve(args.model)
     else:
         print("\n".join(f"export {k}={v}" for k, v in environment().items()))
 

@@ -157,10 +157,14 @@ class Engine:
                     for request in list(self._serving):
                         self._publish(request)
                 self.metrics.batch_size.set(len(self._serving))
-            except Exception as err:  # noqa: BLE001 (a failed forward ends its requests, not the server)
+            except Exception as err:  # noqa: BLE001 (a failed forward ends the batch's requests, not the server)
                 traceback.print_exc()
-                self._fail_all(f"{type(err).__name__}: {err}")
-        self._fail_all("the server is shutting down")
+                unadmitted = [r for r in joining if r.row is None and not r.cancelled]
+                self._fail([*self._serving, *unadmitted], f"{type(err).__name__}: {err}")
+                self.live = LiveBatch(self.decoder)
+        with self._wake:
+            waiting, self._waiting = list(self._waiting), deque()
+        self._fail([*self._serving, *waiting], "the server is shutting down")
 
     def _drop_cancelled(self, request: Request) -> bool:
         if request.cancelled:
@@ -202,10 +206,6 @@ class Engine:
         self.metrics.finished(reason, tokens, forwards, time.perf_counter() - request.submitted)
         request.deliver(Event("", reason, tokens, forwards, error))
 
-    def _fail_all(self, message: str) -> None:
-        with self._wake:
-            waiting, self._waiting = list(self._waiting), deque()
-        for request in [*self._serving, *waiting]:
+    def _fail(self, requests: list[Request], message: str) -> None:
+        for request in requests:
             self._finish(request, "error", message)
-        self.live = LiveBatch(self.decoder)
-

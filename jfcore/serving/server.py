@@ -68,6 +68,11 @@ def create_app(engine: Engine, tokenizer, served: ServedModel, api_key: str | No
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(BadRequest(str(error.detail), error.status_code).body(), status_code=error.status_code)
 
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, error: Exception) -> JSONResponse:
+        message = f"the server failed on this request: {type(error).__name__}: {error}"
+        return JSONResponse(BadRequest(message, 500, "server_error").body(), status_code=500)
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": served.name, **served.decoding}
@@ -93,7 +98,10 @@ def create_app(engine: Engine, tokenizer, served: ServedModel, api_key: str | No
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as err:  # noqa: BLE001 (templates raise what they like, e.g. on roles they do not know)
+            raise BadRequest(f"the chat template refused these messages: {err}", param="messages") from None
         prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return await _complete(request, engine, served, body, [prompt], chat=True)
 

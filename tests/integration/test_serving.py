@@ -5,6 +5,10 @@ away mid-stream frees its row, bad requests get OpenAI-shaped errors, and the AP
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -17,7 +21,7 @@ import pytest
 import torch
 
 from jfcore.models import ModelConfig, load_model
-from tests.support.servers import jf_serve, prometheus_value
+from tasks.serve_process import jf_serve, prometheus_value
 from tests.support.tiny_models import TINY_CHAT_TEMPLATE, save_tiny_checkpoint
 
 KEY = "test-key-3f9a"
@@ -274,3 +278,46 @@ def test_smollm2_concurrent_chats_equal_greedy(tmp_path):
         for text, budget, got in zip(texts, budgets, replies):
             assert got == greedy_text(model, tokenizer, encode_chat(tokenizer, text), budget)[0]
         assert prometheus_value(url, "jf_forward_passes_total") < prometheus_value(url, "jf_row_forwards_total")
+
+
+def test_serves_the_registry_champion_at_its_trained_block_size(tiny, tmp_path):
+    """`--model models:/NAME@champion` fetches the version the alias names from a real MLflow server; the block
+    size comes from the model's own jacobi_forcing.json, and its answers are still greedy."""
+    from tasks.registry import CHAMPION
+    from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
+    from tests.support.servers import mlflow_server
+
+    folder, model, tokenizer = tiny
+    trained = tmp_path / "trained"
+    shutil.copytree(folder, trained)
+    (trained / "jacobi_forcing.json").write_text(json.dumps({"block_size": 6, "steps": 1}))
+    with mlflow_server(tmp_path / "mlflow") as uri:
+        tracking = TrackingConfig(uri=uri, experiment="serve-tests", registered_model="jf-serve-tiny")
+        run_id = stage_run(tracking, tmp_path / "stage", "training", {})
+        version = log_model_by_path(tracking, run_id, trained, tmp_path / "stage")["version"]
+        client(tracking).set_registered_model_alias("jf-serve-tiny", CHAMPION, version)
+        args = ["--model", "models:/jf-serve-tiny@champion", "--tracking-uri", uri, "--method", "jacobi"]
+        with jf_serve(tmp_path / "serve", *args) as url:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+                health = json.loads(response.read())
+            assert (health["model"], health["block_size"]) == ("jf-serve-tiny", 6)
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for name in ("jf-serve-tiny", "models:/jf-serve-tiny@champion", f"models:/jf-serve-tiny/{version}"):
+                reply = c.completions.create(model=name, prompt=words(5), max_tokens=30)
+                assert reply.choices[0].text == greedy_text(model, tokenizer, tokenizer(words(5))["input_ids"], 30)[0]
+    missing = jf_serve_error(["--model", "models:/jf-serve-tiny@champion"], tmp_path)
+    assert "MLFLOW_TRACKING_URI" in missing
+
+
+def jf_serve_error(args: list[str], folder) -> str:
+    """What jf-serve prints when it refuses to start (it must exit, not hang)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.serve", *args], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    return done.stderr
+
+
+def test_a_missing_model_is_a_clear_error(tmp_path):
+    assert "does not exist" in jf_serve_error(["--model", str(tmp_path / "no-such-checkpoint")], tmp_path).lower()
