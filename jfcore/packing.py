@@ -20,8 +20,10 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
+import tempfile
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -202,35 +204,149 @@ def pack_shards(
 ) -> PackingStats:
     """Pack trajectory shards (files, or folders of *.parquet) into packed shards + stats.json in `out_dir`.
 
-    `select`: file path -> the prompt ids to take from it (a store's shards may hold other prompts too)."""
+    `select`: file path -> the prompt ids to take from it (a store's shards may hold other prompts too).
+
+    Memory stays bounded whatever the data set's size: a prompt's blocks may sit in any shard, so rows are
+    first spilled into buckets of consecutive prompt ids (in sorted order), then each bucket is grouped,
+    packed and streamed into the output shards. Only the distinct prompt ids are held for the whole run.
+    The output is the same as grouping everything in memory: prompts in sorted order, shards cut every
+    `sequences_per_shard` sequences."""
     files = _expand(paths)
-    tables = [_read_shard(f) for f in files]
-    if select is not None:
-        tables = [
-            t.filter(pc.is_in(t["prompt_id"], value_set=pa.array(sorted(select[str(f)]), pa.string())))
-            for f, t in zip(files, tables)
-        ]
-    stats = PackingStats(tokenizer_fingerprint=_check_shards(files, tables, config))
-    # Everything is held in memory (fine for tens of thousands of prompts). A prompt's blocks may
-    # sit in any shard, so grouping needs all rows; at larger scale sort by prompt_id and stream.
-    by_prompt: dict[str, list[dict]] = defaultdict(list)
-    for table in tables:
-        for row in table.to_pylist():
-            by_prompt[row["prompt_id"]].append(row)
-    del tables
-    packed = []
-    for prompt_id in sorted(by_prompt):
-        seq = pack_prompt(prompt_id, by_prompt[prompt_id], config)
-        if seq is None:
-            stats.skipped += 1
-            continue
-        stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
-        stats.add(seq)
-        packed.append(seq)
-    if not packed:
+    sources = [_open_shard(f) for f in files]
+    wanted = None if select is None else [pa.array(sorted(select[str(f)]), pa.string()) for f in files]
+    summaries = [_summary(f, source, keep) for f, source, keep in zip(files, sources, wanted or [None] * len(files))]
+    stats = PackingStats(tokenizer_fingerprint=_check_shards(files, summaries, config))
+    prompt_ids = pc.unique(pa.chunked_array([s.prompt_ids for s in summaries], pa.string()))
+    prompt_ids = prompt_ids.take(pc.sort_indices(prompt_ids))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / STATS).unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
+    for stale in out_dir.glob(".spill-*"):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    writer = _ShardWriter(out_dir, config, stats)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".spill-") as spill:
+        for bucket in _spill_by_prompt(files, sources, wanted, prompt_ids, Path(spill)):
+            by_prompt: dict[str, list[dict]] = defaultdict(list)
+            for row in bucket.to_pylist():
+                by_prompt[row["prompt_id"]].append(row)
+            del bucket
+            for prompt_id in sorted(by_prompt):
+                seq = pack_prompt(prompt_id, by_prompt[prompt_id], config)
+                if seq is None:
+                    stats.skipped += 1
+                    continue
+                stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+                stats.add(seq)
+                writer.add(seq)
+    if not stats.sequences:
         raise PackingError(f"no prompt fits max_length={config.max_length} (all {stats.skipped} skipped)")
-    _write(packed, Path(out_dir), config, stats)
+    writer.close()
     return stats
+
+
+# Prompts per spill bucket: a bucket's rows are grouped in memory, so this bounds packing's memory.
+PROMPTS_PER_BUCKET = 1024
+MAX_BUCKETS = 256  # open spill files at once; larger data sets get larger buckets
+SPILL_BATCH_ROWS = 256
+
+
+@dataclass(frozen=True)
+class _ShardSummary:
+    rows: int
+    prompt_ids: pa.Array  # distinct
+    block_sizes: list[int]
+    fingerprints: list[str]
+
+
+def _summary(path: Path, source: pq.ParquetFile, keep: pa.Array | None) -> _ShardSummary:
+    """What the checks need from one shard, read from its small columns only."""
+    try:
+        table = source.read(columns=["prompt_id", "block_size", "tokenizer_fingerprint"])
+    except (pa.ArrowException, OSError) as err:
+        raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+    if keep is not None:
+        table = table.filter(pc.is_in(table["prompt_id"], value_set=keep))
+    return _ShardSummary(
+        table.num_rows,
+        pc.unique(table["prompt_id"]),
+        pc.unique(table["block_size"]).to_pylist(),
+        pc.unique(table["tokenizer_fingerprint"]).to_pylist(),
+    )
+
+
+def _spill_by_prompt(
+    files: list[Path],
+    sources: list[pq.ParquetFile],
+    wanted: list[pa.Array] | None,
+    prompt_ids: pa.Array,
+    folder: Path,
+) -> Iterator[pa.Table]:
+    """Every selected row, bucketed by its prompt's rank among the sorted `prompt_ids`: yields the buckets
+    (Arrow tables, memory-mapped from spill files) in prompt-id order."""
+    per_bucket = max(PROMPTS_PER_BUCKET, -(-len(prompt_ids) // MAX_BUCKETS))
+    writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
+    try:
+        for i, (path, source) in enumerate(zip(files, sources)):
+            try:
+                for batch in source.iter_batches(batch_size=SPILL_BATCH_ROWS, columns=list(REQUIRED_COLUMNS)):
+                    if wanted is not None:
+                        batch = batch.filter(pc.is_in(batch["prompt_id"], value_set=wanted[i]))
+                    bucket = pc.divide(pc.index_in(batch["prompt_id"], value_set=prompt_ids), per_bucket)
+                    for b in pc.unique(bucket).to_pylist():
+                        if b not in writers:
+                            writers[b] = pa.ipc.new_file(folder / f"bucket-{b:05d}.arrow", batch.schema)
+                        writers[b].write_batch(batch.filter(pc.equal(bucket, b)))
+            except (pa.ArrowException, OSError) as err:
+                raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+    finally:
+        for writer in writers.values():
+            writer.close()
+    for b in sorted(writers):
+        with pa.memory_map(str(folder / f"bucket-{b:05d}.arrow")) as source:
+            yield pa.ipc.open_file(source).read_all()
+
+
+class _ShardWriter:
+    """Packed sequences streamed into packed-NNNNN.parquet files of `sequences_per_shard` rows each; stale
+    shards of an earlier, larger run removed; stats.json written last, marking a complete set."""
+
+    CHUNK = 256  # sequences turned into one Arrow batch at a time
+
+    def __init__(self, out_dir: Path, config: PackingConfig, stats: PackingStats):
+        self.out_dir, self.config, self.stats = out_dir, config, stats
+        self.pending: list[dict] = []
+        self.batches: list[pa.RecordBatch] = []
+        self.in_shard = 0
+
+    def add(self, seq: dict) -> None:
+        self.pending.append(seq)
+        self.in_shard += 1
+        if len(self.pending) == self.CHUNK:
+            self._flush()
+        if self.in_shard == self.config.sequences_per_shard:
+            self._write_shard()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.batches.append(pa.RecordBatch.from_pylist(self.pending, schema=PACKED_SCHEMA))
+            self.pending = []
+
+    def _write_shard(self) -> None:
+        self._flush()
+        path = self.out_dir / f"packed-{len(self.stats.shards):05d}.parquet"
+        table = pa.Table.from_batches(self.batches, schema=PACKED_SCHEMA)
+        atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
+        self.stats.shards.append(path.name)
+        self.batches, self.in_shard = [], 0
+
+    def close(self) -> None:
+        if self.in_shard:
+            self._write_shard()
+        for stale in self.out_dir.glob("packed-*.parquet"):  # left by an earlier run with more shards
+            if stale.name not in self.stats.shards:
+                stale.unlink()
+        text = json.dumps(self.stats.as_dict() | {"config": to_dict(self.config)}, indent=2)
+        atomic_write(self.out_dir / STATS, lambda tmp: tmp.write_text(text))
 
 
 def _expand(paths: Sequence[str | Path]) -> list[Path]:
@@ -247,31 +363,31 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def _read_shard(path: Path) -> pa.Table:
+def _open_shard(path: Path) -> pq.ParquetFile:
     try:
-        names = pq.read_schema(path).names
-        missing = [c for c in REQUIRED_COLUMNS if c not in names]
-        if missing:
-            raise PackingError(
-                f"{path}: not a trajectory shard: missing column(s) {', '.join(missing)} "
-                "(expected the schema of jfcore.trajectories.TRAJECTORY_SCHEMA)"
-            )
-        return pq.read_table(path, columns=list(REQUIRED_COLUMNS))
+        source = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+    missing = [c for c in REQUIRED_COLUMNS if c not in source.schema_arrow.names]
+    if missing:
+        raise PackingError(
+            f"{path}: not a trajectory shard: missing column(s) {', '.join(missing)} "
+            "(expected the schema of jfcore.trajectories.TRAJECTORY_SCHEMA)"
+        )
+    return source
 
 
-def _check_shards(files: list[Path], tables: list[pa.Table], config: PackingConfig) -> str:
+def _check_shards(files: list[Path], summaries: list[_ShardSummary], config: PackingConfig) -> str:
     """Refuse empty input, mixed block sizes and foreign tokenizers; return the tokenizer fingerprint."""
-    if sum(t.num_rows for t in tables) == 0:
+    if sum(s.rows for s in summaries) == 0:
         raise PackingError(f"the trajectory shards hold no rows: {', '.join(map(str, files))}")
     sizes: dict[int, Path] = {}  # value -> the first file that has it
     tokenizers: dict[str, Path] = {}
     expected = config.expected_tokenizer_fingerprint
-    for path, table in zip(files, tables):
-        for n in pc.unique(table["block_size"]).to_pylist():
+    for path, summary in zip(files, summaries):
+        for n in summary.block_sizes:
             sizes.setdefault(n, path)
-        for fp in pc.unique(table["tokenizer_fingerprint"]).to_pylist():
+        for fp in summary.fingerprints:
             tokenizers.setdefault(fp, path)
             if expected is not None and fp != expected:
                 raise PackingError(
@@ -285,20 +401,3 @@ def _check_shards(files: list[Path], tables: list[pa.Table], config: PackingConf
         (a, fa), (b, fb) = list(tokenizers.items())[:2]
         raise PackingError(f"mixed tokenizers: fingerprint {a!r} in {fa} but {b!r} in {fb}")
     return next(iter(tokenizers))
-
-
-def _write(packed: list[dict], out_dir: Path, config: PackingConfig, stats: PackingStats) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / STATS).unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
-    step = config.sequences_per_shard
-    for i, start in enumerate(range(0, len(packed), step)):
-        path = out_dir / f"packed-{i:05d}.parquet"
-        table = pa.Table.from_pylist(packed[start : start + step], schema=PACKED_SCHEMA)
-        atomic_write(path, functools.partial(pq.write_table, table, compression="zstd"))
-        stats.shards.append(path.name)
-    for stale in out_dir.glob("packed-*.parquet"):  # left by an earlier run with more shards
-        if stale.name not in stats.shards:
-            stale.unlink()
-    # Written last: its presence marks a complete packed set.
-    text = json.dumps(stats.as_dict() | {"config": to_dict(config)}, indent=2)
-    atomic_write(out_dir / STATS, lambda tmp: tmp.write_text(text))

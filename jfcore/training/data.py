@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jfcore.atomic import atomic_write
 from jfcore.contracts import STATS
 
 
@@ -37,27 +39,69 @@ def packing_stats(folder: str | Path, tokenizer_fingerprint: str | None = None) 
 
 
 class PackedData:
-    """Every packed sequence of a packing output folder, in memory."""
+    """The packed sequences of a packing output folder, memory-mapped: each shard is read once into an
+    uncompressed Arrow file (`.arrow/<data fingerprint>/` in the folder, or a temporary folder where that is
+    read-only), and only the rows a micro batch asks for become Python objects. Ranks on one machine share
+    the mapped pages, and the operating system can drop them, so memory does not grow with the data set."""
 
     def __init__(self, folder: str | Path, tokenizer_fingerprint: str | None = None):
         folder = Path(folder)
         stats = packing_stats(folder, tokenizer_fingerprint)
-        self.rows: list[dict] = []
+        self.fingerprint = hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest()[:16]
+        cache = _cache_folder(folder, self.fingerprint)
+        self.tables: list[pa.Table] = []
         for name in stats["shards"]:
             try:
-                self.rows += pq.read_table(folder / name).to_pylist()
+                mapped = _arrow_copy(folder / name, cache / f"{Path(name).stem}.arrow")
+                self.tables.append(pa.ipc.open_file(pa.memory_map(str(mapped))).read_all())
             except (OSError, pa.ArrowException) as err:
                 raise TrainingDataError(f"{folder / name}: unreadable packed shard ({err}); rerun packing") from err
-        if len(self.rows) != stats["sequences"]:
+        self.starts = np.cumsum([0] + [t.num_rows for t in self.tables])
+        if len(self) != stats["sequences"]:
             raise TrainingDataError(
                 f"{folder}: stats.json counts {stats['sequences']} sequences but the shards "
-                f"hold {len(self.rows)}; rerun packing"
+                f"hold {len(self)}; rerun packing"
             )
-        self.block_size = self.rows[0]["block_size"] if self.rows else None
-        self.fingerprint = hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest()[:16]
+        self.block_size = self.take([0])[0]["block_size"] if len(self) else None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return int(self.starts[-1])
+
+    def take(self, indices: list[int]) -> list[dict]:
+        """Rows by global index (shards in stats.json order), as Python dicts, in the order asked."""
+        indices = np.asarray(indices, dtype=np.int64)
+        shards = np.searchsorted(self.starts, indices, side="right") - 1
+        rows: list[dict] = [{}] * len(indices)
+        for shard in np.unique(shards):
+            where = np.flatnonzero(shards == shard)
+            local = pa.array(indices[where] - self.starts[shard])
+            for at, row in zip(where, self.tables[shard].take(local).to_pylist()):
+                rows[at] = row
+        return rows
+
+
+def _cache_folder(folder: Path, fingerprint: str) -> Path:
+    cache = folder / ".arrow" / fingerprint
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache
+    except OSError:  # a read-only packing folder: this process's own copy
+        return Path(tempfile.mkdtemp(prefix=f"jf-packed-{fingerprint}-"))
+
+
+def _arrow_copy(parquet: Path, arrow: Path) -> Path:
+    """An uncompressed Arrow copy of a Parquet shard, written batch by batch (bounded memory) and renamed into
+    place, so ranks converting the same shard at once all end with a whole file."""
+    if not arrow.is_file():
+        source = pq.ParquetFile(parquet)
+
+        def convert(tmp: Path) -> None:
+            with pa.ipc.new_file(str(tmp), source.schema_arrow) as writer:
+                for batch in source.iter_batches(batch_size=1024):
+                    writer.write_batch(batch)
+
+        atomic_write(arrow, convert)
+    return arrow
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def train_step(t: Trainer, step: int) -> dict:
     losses_sum = torch.zeros(3, device=device)  # total, ar, consistency: summed on the device, read once
     tokens = 0
     for micro in range(config.gradient_accumulation_steps):
-        rows = [t.data.rows[i] for i in t.order.rows(step, micro, t.rank)]
+        rows = t.data.take(t.order.rows(step, micro, t.rank))
         batch = collate(rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id).to(device)
         mask = attention_mask(batch.streams, t.attn, torch.bfloat16 if t.bf16 else torch.float32)
         logits = engine(

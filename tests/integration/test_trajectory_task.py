@@ -226,8 +226,10 @@ def test_a_killed_worker_loses_nothing(tiny_checkpoint, prompt_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_on_two_workers_survives_a_kill(tmp_path):
-    """The real model on 32 of the project's prompts, 2 Ray workers, one killed mid-run."""
+def test_smollm2_on_two_workers_survives_a_kill(tmp_path, monkeypatch):
+    """The real model on 32 of the project's prompts, 2 Ray workers, one killed mid-run; its trajectories,
+    each prompt's blocks spread over three shards, pack through several spill buckets exactly as they do
+    when every row is held in memory."""
 
     def generate(out_dir, log=print):
         return generate_trajectories(
@@ -247,3 +249,19 @@ def test_smollm2_on_two_workers_survives_a_kill(tmp_path):
     lines: list[str] = []
     generate(tmp_path / "killed", lines.append)  # a rerun finds everything done
     assert any("32 already decoded with this model and settings (reused), 0 to decode" in line for line in lines)
+
+    import jfcore.packing
+    from jfcore.packing import PackingConfig, pack_shards
+    from jfcore.trajectories import rows_to_table
+    from tests.support.packing_reference import pack_in_memory
+
+    spread = [tmp_path / f"spread-{s}.parquet" for s in range(3)]
+    for s, path in enumerate(spread):
+        pq.write_table(rows_to_table(undisturbed[s::3]), path)
+    monkeypatch.setattr(jfcore.packing, "PROMPTS_PER_BUCKET", 5)
+    config = PackingConfig(sequences_per_shard=10)
+    stats = pack_shards(spread, tmp_path / "packed", config)
+    expected = pack_in_memory(spread, config)
+    assert len(stats.shards) == len(expected) == 4
+    for name, table in zip(stats.shards, expected):
+        assert pq.read_table(tmp_path / "packed" / name).to_pylist() == table.to_pylist()

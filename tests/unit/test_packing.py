@@ -285,3 +285,24 @@ def test_refuses_inconsistent_prompt_rows(tmp_path, decoded, edit, problem):
     path = write(tmp_path / "bad.parquet", edit(decoded[1]["p0"]))
     with pytest.raises(PackingError, match=f"prompt 'p0': .*{problem}"):
         pack_shards([path], tmp_path / "packed", PackingConfig())
+
+
+def test_streaming_packing_equals_packing_in_memory(tmp_path, monkeypatch):
+    """Many prompts, each prompt's blocks spread over every shard, several spill buckets and output shards:
+    row for row what grouping everything in memory gives."""
+    import jfcore.packing
+    from tests.support.packing_reference import pack_in_memory
+
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(1 + i % 9)] for i in range(23)]
+    _, rows = trajectories(4, 13, prompts=prompts)
+    everything = [r for rs in rows.values() for r in rs]
+    files = [write(tmp_path / f"shard-{s}.parquet", everything[s::3]) for s in range(3)]  # blocks round-robin
+    monkeypatch.setattr(jfcore.packing, "PROMPTS_PER_BUCKET", 4)  # six buckets, not one
+    monkeypatch.setattr(jfcore.packing, "SPILL_BATCH_ROWS", 5)
+    for config in (PackingConfig(sequences_per_shard=5), PackingConfig(strategy="random", max_length=30)):
+        stats = pack_shards(files, tmp_path / "out", config)
+        expected = pack_in_memory(files, config)
+        assert len(stats.shards) == len(expected) > (1 if config.max_length is None else 0)
+        for name, table in zip(stats.shards, expected):
+            assert pq.read_table(tmp_path / "out" / name).to_pylist() == table.to_pylist()
+        assert not list((tmp_path / "out").glob(".spill-*"))
