@@ -4,7 +4,8 @@ The stages and their folders under a recipe's `work_dir` (docs/DESIGN.md, "Stage
 
     trajectories/<store>/            shard-NNNNN.parquet (TRAJECTORY_SCHEMA), manifest.json,
                                      sets/<prompt set>.json (a Selection: the stage's output)
-    packing/<key>/                   packed-NNNNN.parquet (PACKED_SCHEMA), stats.json written last
+    packing/<key>/                   packed-NNNNN.parquet (PACKED_SCHEMA), stats.json written last;
+                                     .arrow/<fingerprint>/: training's memory-mapped copies of the shards
     training/<key>[.<n>]/            launch.json, launch.log, checkpoints/, exports/, metrics.jsonl,
                                      final/ (HF checkpoint + jacobi_forcing.json), export.json (its sums)
     training/latest                  a link to the newest training run

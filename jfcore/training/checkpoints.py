@@ -37,6 +37,7 @@ from jfcore.contracts import (
     METRICS,
 )
 from jfcore.shards import file_sha256
+from jfcore.training.lora import is_lora, merged_state_dict
 
 
 class ResumeError(RuntimeError):
@@ -200,7 +201,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def export(engine, tokenizer, final: Path, metadata: dict) -> None:
-    """Consolidated weights (gathered across ZeRO-3 shards) saved as a plain HF checkpoint plus tokenizer."""
+    """Consolidated weights (gathered across ZeRO-3 shards; LoRA adapters merged in) saved as a plain HF
+    checkpoint plus tokenizer."""
     import deepspeed
 
     model = engine.module
@@ -208,7 +210,10 @@ def export(engine, tokenizer, final: Path, metadata: dict) -> None:
     gather = engine.zero_optimization_stage() == 3
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=gather):
         if dist.get_rank() == 0:
-            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            if is_lora(model):  # adapters merged into the weights: a plain checkpoint all the same
+                state, model = merged_state_dict(model), model.get_base_model()
+            else:
+                state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             model.config.use_cache = True
             staging = final.with_name(final.name + ".tmp")
             shutil.rmtree(staging, ignore_errors=True)

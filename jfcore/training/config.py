@@ -10,6 +10,23 @@ from jfcore.models import ModelConfig
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters instead of full fine-tuning: only the adapters train (and hold optimizer state), with
+    the same losses; the export merges them into the weights, so the result is still a plain checkpoint."""
+
+    rank: int = 16
+    alpha: float = 32.0  # the adapters' update is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"  # module names, or every linear layer but the output head
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 1, f"LoraConfig.rank: must be >= 1, got {self.rank}")
+        check(self.alpha > 0, f"LoraConfig.alpha: must be > 0, got {self.alpha}")
+        check(0 <= self.dropout < 1, f"LoraConfig.dropout: must be in [0, 1), got {self.dropout}")
+        check(bool(self.target_modules), "LoraConfig.target_modules: name at least one module, or 'all-linear'")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     data: str  # a packing output folder (packed-*.parquet + stats.json)
     output_dir: str  # checkpoints/, metrics.jsonl and the exported final/ model
@@ -34,6 +51,7 @@ class TrainConfig:
         int, ...
     ] = ()  # also export a plain checkpoint to exports/step-N/ at these steps (learning curves)
     resume: bool = True  # continue from the newest complete checkpoint in output_dir; false discards them
+    lora: LoraConfig | None = None  # train low-rank adapters only (needs peft); None: full fine-tuning
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from jfcore.training import checkpoints
 from jfcore.training.batch import collate
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder, PackedData, TrainingDataError
+from jfcore.training.lora import with_lora
 from jfcore.training.losses import jacobi_forcing_loss
 from jfcore.training.mask import attention_mask
 
@@ -126,6 +127,8 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     torch.manual_seed(config.seed)
 
     model, tokenizer = load_model(replace_checked(config.model, device=str(device), attn_implementation=attn))
+    if config.lora is not None:
+        model = with_lora(model, config.lora)
     data = PackedData(config.data, tokenizer_fingerprint(tokenizer))
     order = DataOrder(len(data), config.micro_batch_size, world, config.gradient_accumulation_steps, config.seed)
     if order.steps_per_epoch == 0:
@@ -139,7 +142,10 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     model.train()
 
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
+        lr=config.learning_rate,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(config.warmup_ratio * total), total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)

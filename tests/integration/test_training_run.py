@@ -338,3 +338,25 @@ def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted,
     assert records[0]["loss"] == pytest.approx(first["loss"], rel=1e-5)
     assert records[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4)
     assert AutoModelForCausalLM.from_pretrained(result.final).num_parameters() > 0
+
+
+def test_lora_trains_adapters_only_and_exports_a_merged_plain_checkpoint(setup):
+    from jfcore.training.config import LoraConfig
+
+    lora = LoraConfig(rank=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    train = config(setup, "lora", lora=lora, learning_rate=1e-2)
+    result = run_training(train, LAUNCH, TrackingConfig(), log=lambda line: None)
+    records = curve(result.folder)
+    assert sum(r["loss"] for r in records[-4:]) < sum(r["loss"] for r in records[:4])
+    model = AutoModelForCausalLM.from_pretrained(result.final, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=torch.float32)
+    trained, untouched = model.state_dict(), base.state_dict()
+    assert trained.keys() == untouched.keys()  # the base architecture's names: no adapter weights left over
+    for name, weight in trained.items():  # adapted layers changed (the merge happened), nothing else did
+        adapted = name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+        assert torch.equal(weight, untouched[name]) != adapted, name
+    prompts = [[1, 5, 9, 11, 4], [1, 30, 7]]
+    out = decode(model, prompts, DecodeConfig(method="jacobi", block_size=4, max_new_tokens=24), eos_token_id=2)
+    for prompt, tokens in zip(prompts, out.sequences):
+        assert tokens == greedy_reference(model, prompt, 24, eos=2)
+    assert json.loads((Path(result.final) / "jacobi_forcing.json").read_text())["training"]["lora"]["rank"] == 8
