@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -89,10 +90,28 @@ class LaunchConfig:
     deepspeed_config: str = "zero2"  # a name in infra/deepspeed/ (zero0..zero3, zero3_offload) or a JSON path
     threads_per_process: int | None = None  # CPU torch threads per process; default: cores / processes
     timeout_s: float | None = None  # kill the job after this long (it can be resumed)
+    # Several machines: the same command runs on each, with its own node_rank; every node reaches the others
+    # through torchrun's c10d rendezvous at `rendezvous` (host:port of node 0), and output_dir, the data and
+    # the model are on storage every node shares. Node 0 keeps the books (launch file, MLflow run, export
+    # record); the others wait for its launch file and join.
+    nodes: int = 1
+    node_rank: int = 0
+    rendezvous: str | None = None
+    rendezvous_timeout_s: float = 900  # how long a node waits for the others to join
 
     def __post_init__(self) -> None:
         check(
             self.processes is None or self.processes >= 1, f"LaunchConfig.processes: must be >= 1, got {self.processes}"
+        )
+        check(self.nodes >= 1, f"LaunchConfig.nodes: must be >= 1, got {self.nodes}")
+        check(
+            0 <= self.node_rank < self.nodes,
+            f"LaunchConfig.node_rank: must be in 0..{self.nodes - 1} (nodes={self.nodes}), got {self.node_rank}",
+        )
+        check(
+            self.nodes == 1 or re.fullmatch(r"[\w.\-\[\]:]+:\d+", self.rendezvous or "") is not None,
+            f"LaunchConfig.rendezvous: {self.nodes} nodes meet at a c10d rendezvous; set it to node 0's host:port "
+            f"(e.g. 10.0.0.1:29400), got {self.rendezvous!r}",
         )
         check(
             self.threads_per_process is None or self.threads_per_process >= 1,
@@ -128,6 +147,8 @@ def run_training(
     deepspeed_config(deepspeed_base, train, 1, False)  # refuses clashing keys before anything starts
     # Fail here, in seconds, rather than after the processes start: a missing model or foreign data.
     packing_stats(train.data, tokenizer_fingerprint(load_tokenizer(train.model)))
+    if launch.node_rank > 0:
+        return _join(train, launch, log, progress)
     out.mkdir(parents=True, exist_ok=True)
     run_id = None
     if tracking.uri:
@@ -162,6 +183,27 @@ def run_training(
     return TrainingResult(str(out), model, reused=False, metrics=_last_metrics(out / METRICS), mlflow_run_id=run_id)
 
 
+def _join(
+    train: TrainConfig, launch: LaunchConfig, log: Callable[[str], None], progress: Callable[[int, int], None] | None
+) -> TrainingResult:
+    """Another node of a multi-node job: wait for node 0's launch file (the shared settings), then run this
+    node's processes. Node 0 keeps the books, so this returns no MLflow record."""
+    out = Path(train.output_dir)
+    launch_file = out / LAUNCH_FILE
+    deadline = time.time() + launch.rendezvous_timeout_s
+    wanted = json.loads(json.dumps(to_dict(train)))  # as the launch file holds it (tuples become lists)
+    while not (launch_file.is_file() and json.loads(launch_file.read_text())["training"] == wanted):
+        if time.time() > deadline:
+            raise TrainingFailed(
+                f"node {launch.node_rank}: node 0 has not written {launch_file} for these settings within "
+                f"{launch.rendezvous_timeout_s:.0f} s; start node 0 with the same recipe (output_dir must be shared)"
+            )
+        time.sleep(1)
+    log(f"node {launch.node_rank} of {launch.nodes}: joining the job in {out}")
+    _launch(launch_file, launch, log, progress)
+    return TrainingResult(str(out), None, reused=False, metrics=_last_metrics(out / METRICS))
+
+
 def _absolute_paths(train: TrainConfig) -> TrainConfig:
     return replace_checked(
         train,
@@ -194,14 +236,15 @@ def _launch(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *_rendezvous(launch, launch_file),
         f"--nproc_per_node={processes}",
         "-m",
         "tasks.train_worker",
         str(launch_file),
     ]
-    for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
-        stale.unlink()
+    if launch.node_rank == 0:
+        for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
+            stale.unlink()
     log(f"launching {processes} training process(es): {' '.join(command[5:])}")
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
@@ -222,7 +265,8 @@ def _launch(
     try:
         if timer:
             timer.start()
-        with open(launch_file.parent / LAUNCH_LOG, "a", buffering=1) as full_log:  # line by line: survives a kill
+        log_name = LAUNCH_LOG if launch.node_rank == 0 else f"{Path(LAUNCH_LOG).stem}.node{launch.node_rank}.log"
+        with open(launch_file.parent / log_name, "a", buffering=1) as full_log:  # line by line: survives a kill
             full_log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
             in_post_mortem = False
             for line in proc.stdout:
@@ -249,6 +293,22 @@ def _launch(
             + f"\nOnce fixed (or if a process was killed), run the stage again: it resumes from the newest "
             f"checkpoint in {launch_file.parent / CHECKPOINTS}"
         )
+
+
+def _rendezvous(launch: LaunchConfig, launch_file: Path) -> list[str]:
+    """torchrun's arguments for finding the other processes: this machine alone, or a c10d rendezvous that
+    every node's launcher joins under one job id (the run folder's, so a rerun of the same run meets again)."""
+    if launch.nodes == 1:
+        return ["--standalone"]
+    job = hashlib.sha256(str(launch_file.parent).encode()).hexdigest()[:16]
+    return [
+        f"--nnodes={launch.nodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={launch.rendezvous}",
+        f"--rdzv-id=jf-{job}",
+        f"--rdzv-conf=join_timeout={int(launch.rendezvous_timeout_s)}",
+        "--max-restarts=0",  # a lost node fails the job; running the stage again resumes from its checkpoint
+    ]
 
 
 def _last_metrics(path: Path) -> dict:
@@ -313,6 +373,7 @@ def _run_folder(root: Path, train: TrainConfig, launch: LaunchConfig, model_fing
         model=model_fingerprint,
         processes=launch.processes,
         deepspeed=load_deepspeed_config(launch.deepspeed_config),
+        **({"nodes": launch.nodes} if launch.nodes > 1 else {}),  # one node: the keys runs have always had
     )
     runs = sorted(
         (int(m.group(1) or 1), p) for p in root.glob(f"{key}*") if (m := re.fullmatch(rf"{key}(?:\.(\d+))?", p.name))

@@ -6,6 +6,9 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from jfcore.config import ConfigError, replace_checked
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, ModelLoadError
 from jfcore.training.checkpoints import complete_checkpoints
 from jfcore.training.config import TrainConfig
@@ -360,3 +364,60 @@ def test_lora_trains_adapters_only_and_exports_a_merged_plain_checkpoint(setup):
     for prompt, tokens in zip(prompts, out.sequences):
         assert tokens == greedy_reference(model, prompt, 24, eos=2)
     assert json.loads((Path(result.final) / "jacobi_forcing.json").read_text())["training"]["lora"]["rank"] == 8
+
+
+def two_nodes(setup, name: str, port: int, log=lambda line: None) -> list:
+    """Two launcher agents of one process each, meeting at one c10d rendezvous on this machine (as two nodes
+    would); returns what each run_training call returned or raised."""
+    results: list = [None, None]
+
+    def node(rank: int) -> None:
+        launch = replace_checked(
+            LAUNCH, processes=1, nodes=2, node_rank=rank, rendezvous=f"127.0.0.1:{port}", rendezvous_timeout_s=300
+        )
+        try:
+            results[rank] = run_training(config(setup, name), launch, TrackingConfig(), log=log)
+        except Exception as err:  # noqa: BLE001 (the test inspects it)
+            results[rank] = err
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_two_nodes_train_like_one_node_and_resume_after_a_node_dies(setup, uninterrupted):
+    """Same per-step losses as the one-node two-process run; a node lost mid-run (its whole process session
+    killed) fails the job, and running both nodes again resumes from the newest checkpoint."""
+    from tests.support.servers import free_port
+    from tests.support.training_jobs import rank_processes
+
+    results = two_nodes(setup, "two-nodes", free_port())
+    assert all(isinstance(r, TrainingResult) for r in results), results
+    same_curve_and_weights(Path(results[0].folder), uninterrupted, after=0)
+
+    out = Path(config(setup, "two-nodes-killed").output_dir)
+    killed: list[int] = []
+
+    def kill_node_1() -> None:
+        deadline = time.time() + scaled(900)
+        while not (out / "checkpoints" / "step-0000004" / "jf_complete.json").is_file() and time.time() < deadline:
+            time.sleep(0.05)
+        pid = rank_processes(out / "launch.json").get(1)
+        if pid:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)  # the node's agent and its process, as if it went down
+            killed.append(pid)
+
+    killer = threading.Thread(target=kill_node_1)
+    killer.start()
+    first = two_nodes(setup, "two-nodes-killed", free_port())
+    killer.join()
+    assert killed and all(isinstance(r, TrainingFailed) for r in first), first
+    lines: list[str] = []
+    again = two_nodes(setup, "two-nodes-killed", free_port(), log=lines.append)
+    assert all(isinstance(r, TrainingResult) for r in again), again
+    resumed = max(int(m[1]) for line in lines if (m := re.search(r"resumed from step (\d+)", line)))
+    assert resumed >= 4
+    same_curve_and_weights(out, uninterrupted, after=resumed)

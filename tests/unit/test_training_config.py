@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,17 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
         check=False,
     )
     assert done.returncode == 1 and "unknown key 'epoch' (did you mean 'epochs'?)" in done.stderr.splitlines()[-1]
+
+
+def test_multi_node_launch_settings_are_checked():
+    from tasks.training import LaunchConfig, _rendezvous
+
+    with pytest.raises(ConfigError, match="rendezvous"):
+        LaunchConfig(nodes=2)
+    with pytest.raises(ConfigError, match="node_rank"):
+        LaunchConfig(nodes=2, node_rank=2, rendezvous="10.0.0.1:29400")
+    args = _rendezvous(LaunchConfig(nodes=2, node_rank=1, rendezvous="10.0.0.1:29400"), Path("/runs/a/launch.json"))
+    assert "--nnodes=2" in args and "--rdzv-endpoint=10.0.0.1:29400" in args and "--standalone" not in args
+    same_job = _rendezvous(LaunchConfig(nodes=2, rendezvous="10.0.0.1:29400"), Path("/runs/a/launch.json"))
+    assert [a for a in args if a.startswith("--rdzv-id")] == [a for a in same_job if a.startswith("--rdzv-id")]
+    assert _rendezvous(LaunchConfig(), Path("/runs/a/launch.json")) == ["--standalone"]
