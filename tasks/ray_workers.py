@@ -167,8 +167,8 @@ def fill_shards(
     """Make every shard of `specs` in `folder` that its manifest does not list yet.
 
     `submit(worker, spec)` returns the Ray ref of a task that writes the shard and returns its `ShardRecord`.
-    Shards go to the workers in turn; each is added to the manifest as soon as it lands, so a killed run
-    loses only the shards in flight.
+    Shards go to whichever worker is free; each is added to the manifest as soon as it lands, so a killed
+    run loses only the shards in flight.
     """
     remove_stale_temporaries(folder)
     done = completed_shards(folder, specs)
@@ -189,20 +189,21 @@ def fill_shards(
         if progress:
             progress(finished, len(specs))
 
-    if workers and isinstance(workers[0], InProcessWorker | ProcessWorker):  # the next shard to the first idle worker
-        running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}
-        while running:
-            finished_now, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished_now:
-                worker = running.pop(future)
-                landed(future.result())
-                if todo:
-                    running[submit(worker, todo.pop(0))] = worker
-        return
+    # Each worker holds one shard at a time and gets the next when it hands one in: a slow or restarted
+    # worker does not hold back shards another could be making.
+    running = {submit(worker, todo.pop(0)): worker for worker in workers[: len(todo)]}
+    while running:
+        for ref in _first_finished(list(running)):
+            worker = running.pop(ref)
+            landed(get(ref))
+            if todo:
+                running[submit(worker, todo.pop(0))] = worker
+
+
+def _first_finished(refs: list) -> list:
+    """The calls among `refs` that have finished, waiting for at least one (Ray refs or futures)."""
+    if isinstance(refs[0], Future):
+        return list(wait(refs, return_when=FIRST_COMPLETED)[0])
     import ray
 
-    pending = {submit(workers[i % len(workers)], spec): spec for i, spec in enumerate(todo)}
-    while pending:
-        [ref], _ = ray.wait(list(pending), num_returns=1)
-        pending.pop(ref)
-        landed(ray.get(ref))
+    return ray.wait(refs, num_returns=1)[0]

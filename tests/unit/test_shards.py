@@ -77,3 +77,27 @@ def test_manifest_resumes_and_detects_damage(tmp_path):
     (tmp_path / "shard-00000.parquet").write_bytes(b"corrupt")
     assert completed_shards(tmp_path, specs) == {}
     assert isinstance(first, ShardRecord) and first.rows == 3
+
+
+def test_a_slow_worker_does_not_hold_back_shards_another_could_make(tmp_path):
+    """Shards go to whichever worker is free: with one worker ten times slower, the fast one makes most."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jfcore.shards import ShardRecord, file_sha256, plan_shards
+    from tasks.ray_workers import fill_shards
+
+    pools = {"slow": ThreadPoolExecutor(1), "fast": ThreadPoolExecutor(1)}
+    made_by: dict[str, str] = {}
+
+    def make(worker: str, spec) -> ShardRecord:
+        time.sleep(0.5 if worker == "slow" else 0.05)
+        path = tmp_path / spec.name
+        path.write_text(spec.name)
+        made_by[spec.name] = worker
+        return ShardRecord(spec.name, 1, 1, file_sha256(path))
+
+    specs = plan_shards(12, 1)
+    fill_shards(tmp_path, specs, ["slow", "fast"], lambda w, spec: pools[w].submit(make, w, spec), {}, lambda _: None)
+    assert sorted(made_by) == sorted(s.name for s in specs)
+    assert list(made_by.values()).count("slow") <= 2  # pre-assigned halves would have given it 6
