@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -84,21 +85,32 @@ def builtin_prompts_path() -> Path:
 
 
 def load_prompt_texts(source: PromptSource) -> list[tuple[str, str]]:
-    """(prompt_id, text) pairs of `source`, shuffled and limited as configured."""
-    dataset, name = _load(source)
-    if len(dataset) == 0 or not dataset.column_names:
-        raise PromptSourceError(f"prompt source '{source.path}' holds no rows")
+    """(prompt_id, text) pairs of `source`, shuffled and limited as configured.
+
+    With a `limit` and no shuffle, a hub dataset or a single file is streamed: only its first `limit` rows
+    are read (no full download). A shuffle needs every row, so it loads the whole source."""
     id_field = source.id_field or ("id" if source.path == BUILTIN else None)
-    for column in {source.field, id_field} - {None, *dataset.column_names}:
-        available = ", ".join(dataset.column_names)
-        raise PromptSourceError(f"prompt source '{source.path}' has no column '{column}'; available: {available}")
-    order = list(range(len(dataset)))
-    if source.shuffle_seed is not None:
-        random.Random(source.shuffle_seed).shuffle(order)
-    order = order[: source.limit]
-    rows = dataset if order == list(range(len(dataset))) else dataset.select(order)
-    texts = list(rows[source.field])
-    keys = list(rows[id_field]) if id_field else order  # default id: the row index in the source
+    streamed = _streamed(source)
+    if streamed is not None:
+        rows, columns, name = streamed
+        order = list(range(len(rows)))
+        column = lambda key: [row[key] for row in rows]
+    else:
+        dataset, name = _load(source)
+        columns = dataset.column_names if len(dataset) else []
+        order = list(range(len(dataset)))
+        if source.shuffle_seed is not None:
+            random.Random(source.shuffle_seed).shuffle(order)
+        order = order[: source.limit]
+        selected = dataset if order == list(range(len(dataset))) else dataset.select(order)
+        column = lambda key: list(selected[key])
+    if not order or not columns:
+        raise PromptSourceError(f"prompt source '{source.path}' holds no rows")
+    for missing in {source.field, id_field} - {None, *columns}:
+        available = ", ".join(columns)
+        raise PromptSourceError(f"prompt source '{source.path}' has no column '{missing}'; available: {available}")
+    texts = column(source.field)
+    keys = column(id_field) if id_field else order  # default id: the row index in the source
     pairs, seen = [], set()
     for key, text in zip(keys, texts):
         if key is None:
@@ -121,15 +133,28 @@ def encode_prompts(source: PromptSource, tokenizer) -> PromptSet:
     if source.system_prompt is not None and not use_template:
         raise PromptSourceError("PromptSource.system_prompt is set but the tokenizer has no chat template")
     result = PromptSet([], [], [])
-    for prompt_id, text in load_prompt_texts(source):
-        ids = encode_chat(tokenizer, text, source.system_prompt) if use_template else list(tokenizer(text)["input_ids"])
-        if len(ids) > source.max_prompt_tokens:
+    pairs = load_prompt_texts(source)
+    for start in range(0, len(pairs), ENCODE_BATCH):
+        chunk = pairs[start : start + ENCODE_BATCH]
+        if use_template:
+            encoded = [encode_chat(tokenizer, text, source.system_prompt) for _, text in chunk]
+        else:  # one call per batch: fast tokenizers encode it in parallel
+            encoded = [list(ids) for ids in tokenizer([text for _, text in chunk])["input_ids"]]
+        _keep(result, chunk, encoded, source.max_prompt_tokens)
+    return result
+
+
+ENCODE_BATCH = 1024
+
+
+def _keep(result: PromptSet, pairs: list[tuple[str, str]], encoded: list[list[int]], max_tokens: int) -> None:
+    for (prompt_id, text), ids in zip(pairs, encoded):
+        if len(ids) > max_tokens:
             result.skipped_too_long += 1
             continue
         result.ids.append(prompt_id)
         result.texts.append(text)
         result.token_ids.append(ids)
-    return result
 
 
 def _looks_local(path: str) -> bool:
@@ -178,6 +203,37 @@ def _no_rows(files: list[Path]) -> bool:
 def _read(path: Path) -> str:
     with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         return f.read()
+
+
+def _streamed(source: PromptSource) -> tuple[list[dict], list[str], str] | None:
+    """The first `limit` rows of a hub dataset or a single local file, read as a stream; None where the whole
+    source must be loaded (no limit, a shuffle, or a folder of files)."""
+    if source.limit is None or source.shuffle_seed is not None:
+        return None
+    import datasets
+
+    hub = source.path != BUILTIN and not _looks_local(source.path)
+    if hub:
+        where, name = source.path, ":".join(p for p in (source.path, source.config, source.split) if p)
+        args, kwargs = (source.path, source.config), {"split": source.split}
+    else:
+        path = builtin_prompts_path() if source.path == BUILTIN else Path(source.path).expanduser()
+        if not path.is_file() or not _kind(path) or source.config is not None or source.split != "train":
+            return None  # folders, and the errors `_load` words
+        where, name = str(path), BUILTIN if source.path == BUILTIN else re.sub(r"(\.[a-z]+)+$", "", path.name)
+        args, kwargs = (_kind(path),), {"data_files": [str(path)], "split": "train"}
+    try:
+        stream = datasets.load_dataset(*args, **kwargs, streaming=True)
+        rows = list(itertools.islice(stream, source.limit))
+    except Exception as err:  # offline, unknown id, malformed rows: the same advice as a full load
+        if hub:
+            raise PromptSourceError(
+                f"could not stream dataset '{where}' from the hub (offline?): {err}; "
+                "download it or point `path` at a local JSONL/Parquet file"
+            ) from err
+        raise PromptSourceError(f"could not read prompts from {where}: {_reason(err, [Path(where)])}") from err
+    columns = list(stream.column_names or (rows[0] if rows else []))
+    return rows, columns, name
 
 
 def _load(source: PromptSource):

@@ -232,3 +232,45 @@ def test_source_errors(tmp_path, words):
 def test_config_validation(data, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(PromptSource, data)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "parquet"])
+def test_a_limit_streams_only_the_rows_it_takes(tmp_path, kind, monkeypatch):
+    """With a limit and no shuffle a file is streamed (no Arrow copy of the whole file is made), and the
+    prompts and their ids are what a full load gives."""
+    import datasets
+
+    path = tmp_path / f"qs.{kind}"
+    if kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(ROWS), path)
+    else:
+        write_jsonl(path, ROWS)
+    full = load_prompt_texts(PromptSource(str(path), field="question"))
+    built = []
+    original = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: built.append(k.get("streaming")) or original(*a, **k))
+    for limit, id_field in ((3, None), (4, "qid")):
+        streamed = load_prompt_texts(PromptSource(str(path), field="question", limit=limit, id_field=id_field))
+        expected = load_prompt_texts(PromptSource(str(path), field="question", id_field=id_field))[:limit]
+        assert streamed == expected and len(streamed) == limit
+    assert built[:2] == [True, None]  # the limited load streamed; the full one did not
+    shuffled = load_prompt_texts(PromptSource(str(path), field="question", limit=3, shuffle_seed=1))
+    assert len(shuffled) == 3 and set(shuffled) <= set(full) and built[-1] is not True  # a shuffle loads every row
+    with pytest.raises(PromptSourceError, match="no column 'text'"):
+        load_prompt_texts(PromptSource(str(path), field="text", limit=2))
+
+
+def test_prompts_are_tokenised_in_batches(words, monkeypatch):
+    import jfcore.prompts
+
+    monkeypatch.setattr(jfcore.prompts, "ENCODE_BATCH", 4)
+    calls = []
+    original = type(words).__call__
+    monkeypatch.setattr(
+        type(words), "__call__", lambda self, text, **k: calls.append(text) or original(self, text, **k)
+    )
+    source = PromptSource(str(builtin_prompts_path()), field="prompt", limit=10, chat_template=False)
+    one_by_one = [words(text)["input_ids"] for _, text in load_prompt_texts(source)]
+    calls.clear()
+    prompt_set = encode_prompts(source, words)
+    assert prompt_set.token_ids == one_by_one and [len(c) for c in calls] == [4, 4, 2]
