@@ -263,7 +263,7 @@ def _summary(path: Path, source: pq.ParquetFile, keep: pa.Array | None) -> _Shar
     try:
         table = source.read(columns=["prompt_id", "block_size", "tokenizer_fingerprint"])
     except (pa.ArrowException, OSError) as err:
-        raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+        raise _unreadable(path, err) from err
     if keep is not None:
         table = table.filter(pc.is_in(table["prompt_id"], value_set=keep))
     return _ShardSummary(
@@ -297,7 +297,7 @@ def _spill_by_prompt(
                             writers[b] = pa.ipc.new_file(folder / f"bucket-{b:05d}.arrow", batch.schema)
                         writers[b].write_batch(batch.filter(pc.equal(bucket, b)))
             except (pa.ArrowException, OSError) as err:
-                raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+                raise _unreadable(path, err) from err
     finally:
         for writer in writers.values():
             writer.close()
@@ -367,7 +367,7 @@ def _open_shard(path: Path) -> pq.ParquetFile:
     try:
         source = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}") from err
+        raise _unreadable(path, err) from err
     missing = [c for c in REQUIRED_COLUMNS if c not in source.schema_arrow.names]
     if missing:
         raise PackingError(
@@ -375,6 +375,10 @@ def _open_shard(path: Path) -> pq.ParquetFile:
             "(expected the schema of jfcore.trajectories.TRAJECTORY_SCHEMA)"
         )
     return source
+
+
+def _unreadable(path: Path, err: Exception) -> PackingError:
+    return PackingError(f"{path}: cannot read this Parquet file (corrupt or truncated?): {err}")
 
 
 def _check_shards(files: list[Path], summaries: list[_ShardSummary], config: PackingConfig) -> str:
