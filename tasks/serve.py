@@ -12,7 +12,6 @@ multiblock. Binds 127.0.0.1 unless --host says otherwise. See docs/SERVING.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -20,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jfcore.config import ConfigError
-from jfcore.contracts import EXPORT_METADATA
 from jfcore.models import ModelConfig, ModelLoadError
+from tasks.tracking import trained_block_size
 
 REGISTRY_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))")
 API_KEY_ENV = "JF_API_KEY"
@@ -77,11 +76,6 @@ def resolve_model(reference: str, tracking_uri: str | None) -> tuple[str, str, t
         raise ModelLoadError(f"cannot fetch {reference} from {uri}: {err.message}") from None
     print(f"{reference} is version {version}: {checkpoint}", flush=True)
     return str(checkpoint), name, (reference, f"models:/{name}/{version}")
-
-
-def trained_block_size(checkpoint: str) -> int | None:
-    metadata = Path(checkpoint) / EXPORT_METADATA
-    return json.loads(metadata.read_text()).get("block_size") if metadata.is_file() else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -127,11 +127,15 @@ def logged_model(folder: Path) -> dict | None:
     return json.loads(record.read_text()).get("model") if record.is_file() else None
 
 
+def trained_block_size(checkpoint: str | Path) -> int | None:
+    """The block size a model was trained at, as its export's jacobi_forcing.json says (None: not trained here)."""
+    metadata = Path(checkpoint) / EXPORT_METADATA
+    return json.loads(metadata.read_text()).get("block_size") if metadata.is_file() else None
+
+
 def serving_params(checkpoint: Path) -> dict:
     """predict()'s defaults: multiblock decoding at the block size the model was trained at (its export says)."""
-    metadata = checkpoint / EXPORT_METADATA
-    trained = json.loads(metadata.read_text()).get("block_size") if metadata.is_file() else None
-    return {"method": "multiblock", "block_size": trained or 16, "max_new_tokens": 256}
+    return {"method": "multiblock", "block_size": trained_block_size(checkpoint) or 16, "max_new_tokens": 256}
 
 
 def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path) -> dict:
