@@ -213,6 +213,19 @@ def _absolute_paths(train: TrainConfig) -> TrainConfig:
     )
 
 
+STALE_BUILD_LOCK_S = 600  # DeepSpeed's CPU ops compile in under a minute: a lock this old outlived its builder
+
+
+def clear_stale_build_locks(extensions_dir: Path, log: Callable[[str], None]) -> None:
+    """Remove build locks left by a killed compile of DeepSpeed's ops: torch waits on such a lock forever."""
+    for lock in extensions_dir.glob("*/lock"):
+        with contextlib.suppress(FileNotFoundError):
+            age = time.time() - lock.stat().st_mtime
+            if age > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                log(f"removed {lock}: left {age / 60:.0f} minutes ago by a compile that was killed")
+
+
 def _launch(
     launch_file: Path, launch: LaunchConfig, log: Callable[[str], None], progress: Callable[[int, int], None] | None
 ) -> None:
@@ -229,6 +242,7 @@ def _launch(
         "TORCH_EXTENSIONS_DIR",
         str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
     )
+    clear_stale_build_locks(Path(env["TORCH_EXTENSIONS_DIR"]), log)
     command = [
         sys.executable,
         "-m",

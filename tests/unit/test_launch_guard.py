@@ -50,3 +50,19 @@ def test_a_killed_launcher_takes_the_job_down(tmp_path):
     while alive(job):
         assert time.time() < deadline, "the job outlived its launcher"
         time.sleep(0.2)
+
+
+def test_a_killed_compile_lock_is_cleared_and_a_live_one_kept(tmp_path):
+    """torch waits forever on the lock a killed DeepSpeed op build leaves; a fresh lock may be a build in progress."""
+    from tasks.training import STALE_BUILD_LOCK_S, clear_stale_build_locks
+
+    stale, live = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    said: list[str] = []
+    clear_stale_build_locks(tmp_path, said.append)
+    assert not stale.exists() and live.exists()
+    assert len(said) == 1 and str(stale) in said[0]
