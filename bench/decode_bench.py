@@ -5,6 +5,8 @@ Every batch of prompts is decoded by every method back to back, the method order
 so the host's speed drift hits all methods alike. See bench/README.md for what each column means.
 
     python -m bench.decode_bench --limit 4 --max-new-tokens 64
+    python -m bench.decode_bench --model runs/smollm2/training/latest/final --tuned \
+        --benchmarks gsm8k humaneval mbpp math500 --block-sizes "" --limit 5   # the tuned decoding vs HF
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import transformers
 
 from jfcore.chat import encode_chat, read_jsonl
-from jfcore.decoding import special_tokens
+from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
 from jfcore.decoding.slots import device_sync
 from jfcore.evaluation.methods import Method, hf_method, project_method
@@ -35,18 +37,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "hf_greedy"
 
 
+_DECODE = DecodeConfig()  # multiblock's settings default to the decoder's own, declared once
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     max_new_tokens: int = 128
     block_sizes: tuple[int, ...] = (8, 16, 32)  # one Jacobi method per size
-    multiblock_size: int = 16
-    num_blocks: int = 2
-    pool_size: int = 4
-    spawn_ratio: float = 0.85
-    ngram_size: int = 8
+    multiblock_size: int = _DECODE.block_size
+    num_blocks: int = _DECODE.num_blocks
+    pool_size: int = _DECODE.pool_size
+    spawn_ratio: float = _DECODE.spawn_ratio
+    ngram_size: int = _DECODE.ngram_size
     prompt_lookup_tokens: int = 10
     batch_size: int = 1
     warmup_tokens: int = 32
+    tuned: dict | None = None  # the model's tuned decoding for this machine (DecodeConfig keys), run as "tuned"
 
 
 @dataclass
@@ -60,19 +66,22 @@ def build_methods(model, eos: list[int], pad: int, s: BenchSettings) -> dict[str
     methods = {BASELINE: hf_method(model, eos, pad), "ar": project_method(model, eos, pad, method="ar")}
     for n in s.block_sizes:
         methods[f"jacobi_n{n}"] = project_method(model, eos, pad, method="jacobi", block_size=n)
-    methods[f"multiblock_n{s.multiblock_size}"] = project_method(
-        model,
-        eos,
-        pad,
-        method="multiblock",
-        block_size=s.multiblock_size,
-        num_blocks=s.num_blocks,
-        pool_size=s.pool_size,
-        spawn_ratio=s.spawn_ratio,
-        ngram_size=s.ngram_size,
-    )
+    if s.multiblock_size:
+        methods[f"multiblock_n{s.multiblock_size}"] = project_method(
+            model,
+            eos,
+            pad,
+            method="multiblock",
+            block_size=s.multiblock_size,
+            num_blocks=s.num_blocks,
+            pool_size=s.pool_size,
+            spawn_ratio=s.spawn_ratio,
+            ngram_size=s.ngram_size,
+        )
     if s.batch_size == 1:  # HF assisted generation (prompt lookup) supports batch size 1 only
         methods["hf_prompt_lookup"] = hf_method(model, eos, pad, prompt_lookup_num_tokens=s.prompt_lookup_tokens)
+    if s.tuned is not None:
+        methods["tuned"] = project_method(model, eos, pad, **s.tuned)
     return methods
 
 
@@ -190,6 +199,15 @@ def format_table(result: dict) -> str:
 
 
 def load_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
+    if args.benchmarks:  # asked exactly as evaluation asks them
+        from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
+
+        problems = [
+            p
+            for name in args.benchmarks
+            for p in load_benchmark(BenchmarkConfig(name, limit=args.limit, seed=args.seed), args.data_dir)
+        ]
+        return [Prompt(p.benchmark, p.prompt, encode_chat(tokenizer, p.prompt)) for p in problems]
     if args.prompts:
         texts = [(Path(args.prompts).name.split(".")[0], t) for t in read_jsonl(args.prompts, args.field, args.limit)]
     else:
@@ -211,6 +229,22 @@ def environment(model_config: ModelConfig) -> dict:
     }
 
 
+def tuned_settings(model_config: ModelConfig, model, batch_size: int) -> dict:
+    """The model's tune for this machine (DecodeConfig keys); an error when it has none."""
+    from jfcore.metadata import decoding_for, tuned_decoding
+    from jfcore.models import resolve_checkpoint
+    from jfcore.tuning.machine import this_machine
+    from jfcore.tuning.tuner import tuned_keys
+
+    checkpoint = resolve_checkpoint(model_config)
+    if not Path(checkpoint).is_dir() or tuned_decoding(checkpoint) is None:
+        raise SystemExit(
+            f"--tuned: {model_config.name_or_path} has no tune; run jf-tune --model {model_config.name_or_path}"
+        )
+    machine = this_machine(next(model.parameters()).device, model.dtype)
+    return tuned_keys(decoding_for(checkpoint, machine, batch_size))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset, checkpoint dir, .gguf file or hub id")
@@ -224,11 +258,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"shared data dir (default: $JF_SHARED_DATA or <repo>/../shared/data = {default_data_dir()})",
     )
     p.add_argument("--prompts", help="JSONL(.gz) of custom prompts instead of GSM8K + HumanEval")
+    p.add_argument(
+        "--benchmarks",
+        nargs="+",
+        help="evaluation benchmarks (gsm8k humaneval mbpp math500), asked as evaluation asks them, --limit each",
+    )
+    p.add_argument("--seed", type=int, default=0, help="with --benchmarks: shuffle seed before --limit (evaluation's)")
+    p.add_argument(
+        "--tuned", action="store_true", help="also run the model's tuned decoding for this machine (see jf-tune)"
+    )
     p.add_argument("--field", default="prompt", help="field of --prompts holding the text")
     p.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-sizes", default="8,16,32", help="Jacobi block sizes, comma-separated")
-    p.add_argument("--multiblock-size", type=int, default=16, help="block size n of multiblock + recycling")
+    p.add_argument("--multiblock-size", type=int, default=16, help="block size n of multiblock + recycling (0: none)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per call (prompt lookup needs 1)")
     p.add_argument("--warmup-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -253,6 +296,8 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(model_config)
     prompts = load_prompts(args, tokenizer)
     eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
+    if args.tuned:
+        settings = replace(settings, tuned=tuned_settings(model_config, model, settings.batch_size))
     print(
         f"{args.model} {args.dtype} on {args.device}: {len(prompts)} prompts, batch {settings.batch_size}, "
         f"{settings.max_new_tokens} new tokens, {torch.get_num_threads()} threads",

@@ -1,4 +1,4 @@
-"""The `jacobi-forcing` flow: base model -> trajectories -> packing -> training -> evaluation -> registry.
+"""The `jacobi-forcing` flow: base model -> trajectories -> packing -> training -> tuning -> evaluation -> registry.
 
 The flow only chains the stages; each stage task (`tasks/<stage>.py`) owns its
 folder under `work_dir`, decides what it can reuse (README, "Reruns and
@@ -9,6 +9,9 @@ retraining"), records itself in MLflow, and returns a small typed result:
 - training: `training/<digest of the settings, launch, data and model>`, resumed
   while unfinished and reused once its export verifies; `resume: false` starts a
   new `training/<digest>.<n>` with a new MLflow run;
+- tuning: the trained model's fastest decoding on this machine, written into its
+  jacobi_forcing.json (`tuning/<key>` holds the report), reused while the model
+  was tuned here with the same settings;
 - evaluation: the trained model, the base model and the registry's champion side
   by side on the same problems;
 - registry: the gate decides on that one table.
@@ -26,6 +29,7 @@ from prefect import flow, get_run_logger, runtime, task
 
 from flows.recipe import Recipe, Stage, chosen_stages, load_recipe
 from jfcore.config import ConfigError, to_dict
+from jfcore.contracts import TUNING
 from jfcore.lock import folder_lock
 from jfcore.models import ModelConfig, ModelLoadError, source_fingerprint
 from tasks.evaluation import EvaluationResult, evaluation_task
@@ -34,6 +38,7 @@ from tasks.registry import RegistryResult, current_champion, gate_decision, regi
 from tasks.tracking import ParentRun, TrackingConfig
 from tasks.training import TrainingResult, training_task
 from tasks.trajectories import TrajectoriesResult, trajectories_task
+from tasks.tuning import TuningResult, tuning_task
 
 DEFAULT_RECIPE = "configs/pipeline_smollm2_cpu.yaml"
 
@@ -49,6 +54,7 @@ class StageResults:
 class PipelineResult:
     model_fingerprint: str  # the base model's source fingerprint
     stages: dict[str, StageResults] = field(default_factory=dict)  # by curriculum stage (one without a curriculum)
+    tuning: TuningResult | None = None
     evaluation: EvaluationResult | None = None
     registry: RegistryResult | None = None
     nothing_changed: bool = False  # every output reused and the version already judged: nothing registered
@@ -116,6 +122,18 @@ def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: Tracking
         log.info(f"nothing changed: every output is reused and v{trained.version} was already judged ({decision})")
         result.nothing_changed = True
         return
+    if "tuning" in chosen:
+        e = config.evaluation
+        result.tuning = tuning_task(
+            model,
+            config.tuning,
+            str(config.path(TUNING)),
+            e.benchmarks,
+            e.data_dir,
+            tracking,
+            (trained.model or {}).get("model_uri"),
+            config.ray.cpus_per_worker,  # the evaluation workers' threads: the tune must hold where it is used
+        )
     if "evaluation" in chosen:
         rival = champion.rivals(trained) if champion else None
         evaluation = config.eval_config(trained.final, (trained.model or {}).get("model_uri"), rival)

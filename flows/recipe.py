@@ -9,6 +9,7 @@ stage's output under `work_dir`), so a recipe names only choices:
     trajectories: {block_size: 16, max_new_tokens: 64}
     packing: {strategy: progressive, window: 8}
     training: {epochs: 2, learning_rate: 1.0e-4}   # TrainConfig keys but data, output_dir and model
+    tuning: {batch_sizes: [1], max_new_tokens: 96}  # jfcore.tuning.TuneConfig: the trained model's decoding for this machine
     launch: {processes: 2, deepspeed_config: zero2}
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
@@ -47,13 +48,14 @@ from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
 from jfcore.training.config import TrainConfig
 from jfcore.trajectories import TrajectoryConfig
+from jfcore.tuning.tuner import TuneConfig
 from tasks.plan import StagePlan, training_model
 from tasks.ray_workers import RayConfig
 from tasks.registry import GateConfig
 from tasks.tracking import TrackingConfig
 from tasks.training import LaunchConfig
 
-Stage = Literal["trajectories", "packing", "training", "evaluation", "registry"]
+Stage = Literal["trajectories", "packing", "training", "tuning", "evaluation", "registry"]
 STAGES: tuple[Stage, ...] = typing.get_args(Stage)
 FLOW_LINKED = ("data", "output_dir", "model")  # training keys the flow sets from the other stages
 # names of earlier releases: recipe sections and stages
@@ -115,6 +117,7 @@ class Recipe:
     packing: PackingConfig = field(default_factory=PackingConfig)
     training: dict[str, Any] = field(default_factory=dict)  # TrainConfig keys but data, output_dir and model
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    tuning: TuneConfig = field(default_factory=TuneConfig)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     registry: GateConfig = field(default_factory=GateConfig)
@@ -137,6 +140,12 @@ class Recipe:
         check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
         self.stages()  # unknown or invalid training keys (and stage values) fail here, at load
         self.eval_config("trained")
+        methods = self.evaluation.decoding.methods
+        check(
+            self.registry.method in methods,
+            f"registry.method: {self.registry.method!r} is not evaluated; add it to evaluation.decoding.methods "
+            f"({', '.join(methods)}) or choose one of those",
+        )
 
     def path(self, stage: str) -> Path:
         return Path(self.work_dir).expanduser().resolve() / stage

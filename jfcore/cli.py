@@ -1,12 +1,15 @@
 """`jf-decode`: decode a few prompts with the project's lossless parallel decoder.
 
-    jf-decode                                   # 3 real prompts (GSM8K, HumanEval, MBPP), Jacobi n=16
+    jf-decode                                   # 3 real prompts (GSM8K, HumanEval, MBPP), the model's tuned decoding
     jf-decode --method multiblock --compare     # also run HF greedy `generate`: same tokens? how much faster?
     jf-decode --prompt "Write a haiku about caches." --max-new-tokens 64
     jf-decode --prompts-file my.jsonl --field question --limit 5
 
-Every method is greedy, so the completion is the one `generate(do_sample=False)`
-gives; only the number of forward passes (and the time) changes.
+Decoding starts from the model's tune for this machine (jf-tune), else the
+untuned default (Jacobi at the block size it was trained at, 16 for other
+models); --method and --block-size override it. Every method is greedy, so the
+completion is the one `generate(do_sample=False)` gives; only the number of
+forward passes (and the time) changes.
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
-from jfcore.decoding import DecodeConfig, decode, special_tokens
+from jfcore.decoding import decode, special_tokens
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.slots import device_sync
-from jfcore.models import ModelConfig, load_model
+from jfcore.metadata import decoding_for
+from jfcore.models import ModelConfig, load_model, resolve_checkpoint
 from jfcore.paths import eval_prompts
+from jfcore.tuning.machine import this_machine
 
 DEFAULT_SETS = ("gsm8k", "humaneval", "mbpp")  # one prompt of each when no prompt is given
 
@@ -37,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Default prompts: the first GSM8K, HumanEval and MBPP test prompts from the shared data dir.",
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset, checkpoint dir, .gguf file or hub id")
-    p.add_argument("--method", choices=["jacobi", "multiblock", "ar"], default="jacobi")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (jacobi/multiblock)")
+    p.add_argument("--method", choices=["jacobi", "multiblock", "ar"], help="default: the model's tune, else jacobi")
+    p.add_argument("--block-size", type=int, help="tokens per block (default: the tune's, else the trained size)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt text(s) to decode")
@@ -82,12 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         prompts = _prompts(args)  # before loading the model: bad paths fail fast
-        config = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens)
         model_config = ModelConfig(
             name_or_path=args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn
         )
         print(f"loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
         model, tokenizer = load_model(model_config)
+        explicit = {"method": args.method, "block_size": args.block_size, "max_new_tokens": args.max_new_tokens}
+        checkpoint = resolve_checkpoint(model_config)
+        config = decoding_for(
+            checkpoint if Path(checkpoint).is_dir() else None,
+            this_machine(args.device, model.dtype),
+            1,
+            {k: v for k, v in explicit.items() if v is not None},
+        )
     except (OSError, ConfigError) as err:  # missing files, bad settings, unloadable models (ModelLoadError)
         print(f"jf-decode: error: {err}", file=sys.stderr)
         return 2
@@ -98,11 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
     sync = device_sync(args.device)
     encoded = [encode_chat(tokenizer, text) for _, text in prompts]
-    what = "AR" if args.method == "ar" else f"{args.method} n={args.block_size}"
+    what = config.describe()
     print(f"decoding {len(prompts)} prompt(s) with {what}, up to {args.max_new_tokens} new tokens\n")
 
     # Warm-up: the first calls pay one-off costs (allocator, kernels) that would bias the timings.
-    warm = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=4)
+    warm = replace(config, max_new_tokens=4)
     decode(model, encoded[:1], warm, eos_token_id=eos, pad_token_id=pad)
     if args.compare:
         hf_generate(model, encoded[:1], 4, eos, pad)
@@ -145,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_tps = t["hf_tokens"] / t["hf_seconds"]
         summary += f"; vs HF greedy: {t['identical']}/{len(prompts)} identical, speedup {tps / hf_tps:.2f}x"
     print(summary)
-    if args.method != "ar" and tpf < 1.5:
+    if config.method != "ar" and not config.lookup_tokens and tpf < 1.5:
         print(
             "(TPF near 1: the model accepts about one draft token per forward, as an untrained model does; "
             "Jacobi Forcing training is what raises it)"

@@ -9,6 +9,7 @@ The stages and their folders under a recipe's `work_dir` (docs/DESIGN.md, "Stage
     training/<key>[.<n>]/            launch.json, launch.log, checkpoints/, exports/, metrics.jsonl,
                                      final/ (HF checkpoint + jacobi_forcing.json), export.json (its sums)
     training/latest                  a link to the newest training run
+    tuning/<key>/                    tune.json, tune.png (the tune itself goes into final/jacobi_forcing.json)
     evaluation/<key>/                shard-NNNNN.parquet (SAMPLE_SCHEMA), manifest.json, report/
     registry/<model>-v<version>/     the champion, downloaded once
 
@@ -26,7 +27,14 @@ import pyarrow as pa
 from jfcore.atomic import atomic_write
 
 # Stage folders under work_dir (and under each curriculum stage's folder).
-TRAJECTORIES, PACKING, TRAINING, EVALUATION, REGISTRY = "trajectories", "packing", "training", "evaluation", "registry"
+TRAJECTORIES, PACKING, TRAINING, TUNING, EVALUATION, REGISTRY = (
+    "trajectories",
+    "packing",
+    "training",
+    "tuning",
+    "evaluation",
+    "registry",
+)
 
 MANIFEST = "manifest.json"  # a sharded run folder's shards, their checksums and settings
 SETS = "sets"  # in a trajectory store: one selection file per prompt set
@@ -40,7 +48,7 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "jf_complete.json"  # in a checkpoint: every rank finished saving it
 EXPORTS = "exports"
 FINAL = "final"  # the trained model: a plain HF checkpoint with its tokenizer
-EXPORT_METADATA = "jacobi_forcing.json"  # in an export: the training config, steps and block size
+EXPORT_METADATA = "jacobi_forcing.json"  # in an export: training config, steps, block size; the tune (jfcore.metadata)
 EXPORT_SUMS = "export.json"  # beside final/: checksums of its files, so a changed export is never reused
 METRICS = "metrics.jsonl"  # one record per optimizer step
 DEEPSPEED_CONFIG = "deepspeed_config.json"  # the DeepSpeed config the engine ran with

@@ -28,6 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from jfcore.config import ConfigError, check
+from jfcore.contracts import EXPORT_METADATA
 
 # Bump when the converted layout changes, so old caches are not reused.
 CONVERSION_VERSION = "v1"
@@ -278,12 +279,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def source_fingerprint(config: ModelConfig) -> str:
     """Short digest of where the weights come from, without loading them: a local checkpoint's file names,
-    sizes and modification times, or a hub id and revision. Cheap enough to name the stage folders of 7B models."""
+    sizes and modification times, or a hub id and revision. Cheap enough to name the stage folders of 7B models.
+    The project's own record (jacobi_forcing.json) is left out: a new tune does not make new weights."""
     checkpoint = resolve_checkpoint(config)
     path = Path(checkpoint)
     if not path.is_dir():
         return hashlib.sha256(f"hub|{checkpoint}|{config.revision}".encode()).hexdigest()[:16]
     files = sorted(
-        (p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()
+        (p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in path.rglob("*")
+        if p.is_file() and p.name != EXPORT_METADATA
     )
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]

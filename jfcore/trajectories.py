@@ -64,11 +64,12 @@ def rows_to_table(rows: list[dict]) -> pa.Table:
 class TrajectoryConfig:
     """How trajectories are decoded (greedy Jacobi, one block in flight)."""
 
-    block_size: int = 16
-    max_new_tokens: int = 256
+    # Defaults are the decoder's own (DecodeConfig), declared once.
+    block_size: int = DecodeConfig.block_size
+    max_new_tokens: int = DecodeConfig.max_new_tokens
     batch_size: int = 8  # prompts decoded together by one model replica
-    filler: Literal["context", "random"] = "context"
-    seed: int = 0
+    filler: Literal["context", "random"] = DecodeConfig.filler
+    seed: int = DecodeConfig.seed
 
     def __post_init__(self) -> None:
         check(self.block_size >= 2, f"block_size must be >= 2 to have a trajectory, got {self.block_size}")

@@ -66,6 +66,10 @@ class EvalWorker:
     def fingerprints(self) -> dict[str, dict[str, str]]:
         return fingerprints(self.models)
 
+    def tuned(self) -> dict[str, dict]:
+        """Each model's tuned decoding as this worker's machine reads it (part of the run's identity)."""
+        return self.evaluator.tuned
+
     def run(self, spec: ShardSpec, problems: list[Problem], folder: str):
         rows = self.evaluator.run(problems, offset=spec.start)
         return write_shard(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), Path(folder), spec, len(problems))
@@ -103,6 +107,7 @@ def run_evaluation(
                 )
         settings = {
             "models": prints,
+            **({"tuned": get(workers[0].tuned.remote())} if "tuned" in config.decoding.methods else {}),
             "problems": _digest([(p.benchmark, p.id, p.prompt) for p in problems]),
             "decoding": asdict(config.decoding),
             "problems_per_shard": config.problems_per_shard,

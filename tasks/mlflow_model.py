@@ -3,8 +3,9 @@
 Logged as "model from code": MLflow stores this file, the jfcore package and the
 HF checkpoint folder (copied by path, never loaded at logging time). Loading
 it anywhere with `mlflow.pyfunc.load_model(uri)` needs only torch and
-transformers; `predict(["prompt", ...], params={"method": "multiblock"})`
-returns the completions, identical to greedy `generate`.
+transformers; `predict(["prompt", ...])` decodes with the model's tune for the
+machine that loads it (or the untuned default), `params={"method": "multiblock"}`
+overrides it; the completions are identical to greedy `generate`.
 """
 
 from __future__ import annotations
@@ -15,21 +16,28 @@ from mlflow.pyfunc import PythonModel
 
 class JacobiForcingModel(PythonModel):
     def load_context(self, context) -> None:
+        from jfcore.metadata import decoding_for
         from jfcore.models import ModelConfig, load_model
+        from jfcore.tuning.machine import this_machine
 
-        self.model, self.tokenizer = load_model(ModelConfig(name_or_path=context.artifacts["checkpoint"]))
+        self.checkpoint = context.artifacts["checkpoint"]
+        self.model, self.tokenizer = load_model(ModelConfig(name_or_path=self.checkpoint))
+        self.machine = this_machine(next(self.model.parameters()).device, self.model.dtype)
+        decoding_for(self.checkpoint, self.machine)  # says once, at load, whether the tune holds here
 
     def predict(self, context, model_input, params: dict | None = None) -> list[str]:
         from jfcore.chat import encode_chat
-        from jfcore.decoding import DecodeConfig, decode
+        from jfcore.decoding import decode
+        from jfcore.metadata import decoding_for
 
         texts = model_input if isinstance(model_input, list) else list(model_input.iloc[:, 0])
-        settings = params or {}  # MLflow fills what the caller left out from the signature's defaults
+        # MLflow fills what the caller left out from the signature's defaults: "tuned" and 0 mean "the model's own".
+        settings = {k: v for k, v in (params or {}).items() if (k, v) not in (("method", "tuned"), ("block_size", 0))}
         prompts = [encode_chat(self.tokenizer, str(text)) for text in texts]
         out = decode(
             self.model,
             prompts,
-            DecodeConfig(**settings),
+            decoding_for(self.checkpoint, self.machine, len(prompts), settings, log=lambda _: None),
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
         )

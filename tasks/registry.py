@@ -57,13 +57,16 @@ class Champion:
 
 @dataclass(frozen=True)
 class GateConfig:
-    method: str = "multiblock"  # the decoding method the models are compared under
+    method: str = "tuned"  # the decoding method the models are compared under: each model's tune for this machine
     max_accuracy_drop_problems: int = 0  # the trained model may solve at most this many fewer problems than the bar
     min_speedup_gain: float = 0.0  # its speedup must beat the bar's by more than this
     require_exact: bool = True  # every output equal to greedy decoding, checked in a float32 evaluation
 
     def __post_init__(self) -> None:
-        check(self.method in ("jacobi", "multiblock"), f"gate.method: {self.method!r} is not jacobi or multiblock")
+        check(
+            self.method in ("tuned", "jacobi", "multiblock"),
+            f"gate.method: {self.method!r} is not tuned, jacobi or multiblock",
+        )
         check(
             self.max_accuracy_drop_problems >= 0,
             f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}",

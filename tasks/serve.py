@@ -5,8 +5,10 @@
     jf-serve --model smollm2-135m-instruct --method ar        # the base model, one token per forward
     JF_API_KEY=secret jf-serve --model ...                    # every request needs 'Authorization: Bearer secret'
 
-The block size defaults to the one the model was trained at (its jacobi_forcing.json), and the method to
-multiblock. Binds 127.0.0.1 unless --host says otherwise. See docs/SERVING.md.
+Decoding starts from the model's tune for this machine (its jacobi_forcing.json, written by jf-tune), for the
+bucket of --max-batch-size rows; without one (or tuned elsewhere) from the untuned default, Jacobi at the block
+size it was trained at, and the log says so. --method, --block-size, --num-blocks and --lookup-tokens override
+either. Binds 127.0.0.1 unless --host says otherwise. See docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pathlib import Path
 
 from jfcore.config import ConfigError
 from jfcore.models import ModelConfig, ModelLoadError
-from tasks.tracking import trained_block_size
 
 REGISTRY_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))")
 API_KEY_ENV = "JF_API_KEY"
@@ -34,9 +35,10 @@ def _parser() -> argparse.ArgumentParser:
         help="registry reference (models:/NAME@ALIAS or models:/NAME/VERSION), checkpoint dir, preset, .gguf or hub id",
     )
     p.add_argument("--served-model-name", help="the model id clients send (default: the registry name or folder name)")
-    p.add_argument("--method", choices=["multiblock", "jacobi", "ar"], default="multiblock")
-    p.add_argument("--block-size", type=int, help="tokens per block (default: the model's trained block size, else 16)")
-    p.add_argument("--num-blocks", type=int, default=2, help="blocks in flight (multiblock)")
+    p.add_argument("--method", choices=["multiblock", "jacobi", "ar"], help="decoding method (default: the tune's)")
+    p.add_argument("--block-size", type=int, help="tokens per block (default: the tune's, else the trained size)")
+    p.add_argument("--num-blocks", type=int, help="blocks in flight (multiblock)")
+    p.add_argument("--lookup-tokens", type=int, help="prompt-lookup candidate tokens (0: off)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion budget when a request names none")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
@@ -83,25 +85,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from jfcore.decoding import DecodeConfig
-    from jfcore.models import load_model
+    from jfcore.metadata import decoding_for
+    from jfcore.models import load_model, resolve_checkpoint
     from jfcore.serving.engine import Engine
     from jfcore.serving.server import ServedModel, create_app
+    from jfcore.tuning.machine import this_machine
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         target, name, aliases = resolve_model(args.model, args.tracking_uri)
-        block_size = args.block_size or trained_block_size(target) or 16
-        config = DecodeConfig(
-            method=args.method, block_size=block_size, num_blocks=args.num_blocks, max_new_tokens=args.max_tokens
-        )
         for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-queue", args.max_queue)):
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         print(f"loading {args.model} ({args.dtype}, {device}) ...", flush=True)
         model_config = ModelConfig(name_or_path=target, dtype=args.dtype, device=device, attn_implementation=args.attn)
         model, tokenizer = load_model(model_config)
+        explicit = {
+            key: value
+            for key, value in (
+                ("method", args.method),
+                ("block_size", args.block_size),
+                ("num_blocks", args.num_blocks),
+                ("lookup_tokens", args.lookup_tokens),
+            )
+            if value is not None
+        }
+        machine = this_machine(device, model.dtype)
+        checkpoint = resolve_checkpoint(model_config)
+        config = decoding_for(
+            checkpoint if Path(checkpoint).is_dir() else None,
+            machine,
+            args.max_batch_size,
+            explicit | {"max_new_tokens": args.max_tokens},
+        )
     except (OSError, ConfigError) as err:
         print(f"jf-serve: error: {err}", file=sys.stderr)
         return 2
@@ -111,11 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         context_length=context,
         max_tokens=args.max_tokens,
         aliases=aliases,
-        decoding={"method": config.method, "block_size": config.block_size, "max_batch_size": args.max_batch_size},
+        decoding={
+            "method": config.method,
+            "block_size": config.block_size,
+            "lookup_tokens": config.lookup_tokens,
+            "max_batch_size": args.max_batch_size,
+        },
     )
     engine = Engine(model, tokenizer, config, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
     app = create_app(engine.start(), tokenizer, served, api_key)
-    what = "AR" if config.method == "ar" else f"{config.method} n={config.block_size}"
+    what = config.describe()
     key = "an API key" if api_key else "no API key"
     print(f"serving '{served.name}' ({what}) on http://{args.host}:{args.port}/v1 with {key}", flush=True)
     try:

@@ -10,7 +10,7 @@ from typing import Self
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check, replace_checked
-from jfcore.contracts import EXPORT_METADATA, RUN_FILE
+from jfcore.contracts import RUN_FILE
 
 PARAM_LIMIT = 6000  # MLflow's longest param value
 # What loading a logged model needs besides the jfcore code stored with it.
@@ -127,15 +127,9 @@ def logged_model(folder: Path) -> dict | None:
     return json.loads(record.read_text()).get("model") if record.is_file() else None
 
 
-def trained_block_size(checkpoint: str | Path) -> int | None:
-    """The block size a model was trained at, as its export's jacobi_forcing.json says (None: not trained here)."""
-    metadata = Path(checkpoint) / EXPORT_METADATA
-    return json.loads(metadata.read_text()).get("block_size") if metadata.is_file() else None
-
-
-def serving_params(checkpoint: Path) -> dict:
-    """predict()'s defaults: multiblock decoding at the block size the model was trained at (its export says)."""
-    return {"method": "multiblock", "block_size": trained_block_size(checkpoint) or 16, "max_new_tokens": 256}
+# predict()'s parameters and their defaults: "tuned" and block size 0 mean the model's own decoding on the machine
+# that loads it (jfcore.metadata.decoding_for); a caller may name a method and a block size instead.
+SERVING_PARAMS = {"method": "tuned", "block_size": 0, "max_new_tokens": 256}
 
 
 def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path) -> dict:
@@ -158,7 +152,7 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
             code_paths=[str(Path(jfcore.__file__).parent)],
             pip_requirements=requirements,
             # Declared, not inferred by running the model: text in, text out, decoding settings as params.
-            signature=infer_signature(["prompt"], ["completion"], params=serving_params(checkpoint)),
+            signature=infer_signature(["prompt"], ["completion"], params=SERVING_PARAMS),
             registered_model_name=config.registered_model,
         )
     model = {

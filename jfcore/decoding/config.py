@@ -30,6 +30,13 @@ class DecodeConfig:
     spawn_ratio: float = 0.85
     pool_size: int = 4
     ngram_size: int = 8
+    # Prompt lookup (any method): each forward also verifies up to `lookup_tokens` tokens copied from after the
+    # latest earlier occurrence of the row's last 1..`lookup_ngram` tokens in its prompt and output. 0 turns it off.
+    lookup_tokens: int = 0
+    lookup_ngram: int = 3
+    # True: the copied text replaces the draft's unverified guesses (a forward keeps the block's width) instead of
+    # adding positions of its own; for blocks of 2 or more, where width costs more than a guess is worth.
+    lookup_within: bool = False
     record_trajectories: bool = False
 
     def __post_init__(self) -> None:
@@ -40,9 +47,31 @@ class DecodeConfig:
         check(self.pool_size >= 0, f"pool_size must be >= 0 (0 turns recycling off), got {self.pool_size}")
         check(self.ngram_size >= 2, f"ngram_size must be >= 2, got {self.ngram_size}")
         check(
-            not (self.record_trajectories and self.method != "jacobi"),
-            "record_trajectories needs method 'jacobi': trajectories are defined for one block in flight",
+            self.lookup_tokens >= 0, f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {self.lookup_tokens}"
         )
+        check(self.lookup_ngram >= 1, f"lookup_ngram must be >= 1, got {self.lookup_ngram}")
+        check(
+            not self.lookup_within
+            or (self.lookup_tokens and self.blocks_in_flight * self.block_size > 1 and self.method != "ar"),
+            "lookup_within needs lookup_tokens > 0 and a draft of 2 or more tokens (method jacobi or multiblock)",
+        )
+        check(
+            not (self.record_trajectories and (self.method != "jacobi" or self.lookup_tokens)),
+            "record_trajectories needs method 'jacobi' without prompt lookup: trajectories are the states of one "
+            "block in flight",
+        )
+
+    def describe(self) -> str:
+        """The configuration in a few characters: ar, ar+L6g2 (6 copied tokens beside the draft, 2-gram match),
+        jacobi n4inL3g3 (3 copied tokens within a 4-token draft), multiblock n16 K2 p4."""
+        if self.method == "ar" or (self.method == "jacobi" and self.block_size == 1):
+            text = "ar"
+        elif self.method == "jacobi":
+            text = f"jacobi n{self.block_size}"
+        else:
+            text = f"multiblock n{self.block_size} K{self.num_blocks} p{self.pool_size}"
+        where = "in" if self.lookup_within else "+"
+        return text + (f"{where}L{self.lookup_tokens}g{self.lookup_ngram}" if self.lookup_tokens else "")
 
     @property
     def blocks_in_flight(self) -> int:

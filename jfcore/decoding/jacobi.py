@@ -14,7 +14,9 @@ with its verified progress kept.
 Rejection recycling (multiblock): n-grams from rejected draft tails are kept
 in a pool; continuations of the draft's first token are verified in the same
 forward as extra positions that see only the committed text and that first
-token (a tree mask). The longest verified run wins.
+token (a tree mask). The longest verified run wins. Prompt lookup (any method,
+`lookup_tokens` > 0) adds one more such candidate: the text that followed the
+latest earlier occurrence of the row's last tokens (jfcore/decoding/lookup.py).
 
 Every committed token is checked against the model's own argmax, so the
 output equals greedy autoregressive decoding exactly, whatever the drafts.
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jfcore.decoding.config import DecodeConfig
+from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
 from jfcore.decoding.slots import SlotBatch, left_pad
@@ -51,9 +54,11 @@ class Row:
     block_start: int = 0  # len(out) when block 0 started
     verified: int = 0  # tokens committed by forwards (these have KV)
     forwards: int = 0
-    recycled: int = 0  # tokens committed through recycled n-grams beyond the draft's own run
+    recycled: int = 0  # tokens committed through candidates (recycled or copied) beyond the draft's own run
     finished: bool = False
     pool: NgramPool | None = None
+    lookup: PromptLookup | None = None
+    copied: tuple[int, ...] = ()  # the prompt-lookup candidate of the forward in progress
     rng: random.Random | None = None  # filler draws, seeded per prompt
     states: list[list[int]] = field(default_factory=list)  # block 0's states, when recording
     trajectories: list[BlockTrajectory] = field(default_factory=list)
@@ -92,6 +97,8 @@ class JacobiDecoder:
         row = Row(index, list(prompt), max_new_tokens=limit, rng=random.Random(f"{self.config.seed}:{list(prompt)}"))
         if self.config.recycling:
             row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
+        if self.config.lookup_tokens:
+            row.lookup = PromptLookup(self.config.lookup_ngram, self.config.lookup_tokens, row.prompt)
         return row
 
     @torch.inference_mode()
@@ -127,7 +134,8 @@ class JacobiDecoder:
         tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)
         valid = torch.zeros((len(rows), width), dtype=torch.bool)
-        use_tree = any(cands for _, _, cands in layouts)
+        # A row whose draft is one token and that has one candidate is a plain causal chain.
+        use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
         tree = torch.zeros((len(rows), width, width), dtype=torch.bool) if use_tree else None
         for b, (inputs, offsets, cands) in enumerate(layouts):
             n = len(inputs)
@@ -147,20 +155,39 @@ class JacobiDecoder:
         batch.keep(keep)
         if self.on_step is not None:
             committed = [len(r.prompt) + r.verified for r in rows]
-            self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist()))
+            widths = [len(inputs) for inputs, _, _ in layouts]
+            lengths = batch.lengths().tolist()
+            self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, lengths, widths))
 
     def _layout(self, row: Row) -> tuple[list[int], list[int], Candidates]:
-        """The row's forward input: its draft, then recycled candidates; and their position offsets."""
+        """The row's forward input: its draft, then recycled and prompt-lookup candidates; and their position
+        offsets. The prompt-lookup candidate, if any, is the last one."""
+        if row.lookup is not None and self.config.lookup_within:
+            self._copy_into_draft(row)
         draft = row.draft
         if self.record:
             row.states.append(row.out[row.block_start :] + draft)
+        grams = row.pool.candidates(draft[0], len(draft) - 1) if row.pool is not None and len(draft) > 1 else []
+        if row.lookup is not None and not self.config.lookup_within:
+            row.copied = copied = tuple(row.lookup.propose(draft[0], row.max_new_tokens - len(row.out) - 1))
+            if copied and copied not in grams:
+                grams.append(copied)
         inputs, offsets, cands = list(draft), list(range(len(draft))), []
-        if row.pool is not None and len(draft) > 1:
-            for gram in row.pool.candidates(draft[0], len(draft) - 1):
-                cands.append((len(inputs), gram))
-                inputs.extend(gram)
-                offsets.extend(range(1, len(gram) + 1))
+        for gram in grams:
+            cands.append((len(inputs), gram))
+            inputs.extend(gram)
+            offsets.extend(range(1, len(gram) + 1))
         return inputs, offsets, cands
+
+    def _copy_into_draft(self, row: Row) -> None:
+        """`lookup_within`: the copied text takes the place of the draft's unverified guesses, so the forward keeps
+        its width (any draft is verified the same way)."""
+        draft = row.draft
+        row.copied = copied = tuple(row.lookup.propose(draft[0], len(draft) - 1))
+        if not copied:
+            return
+        draft[1 : 1 + len(copied)] = copied
+        _refill(row, draft)
 
     def _verify(self, row: Row, pred: list[int], cands: Candidates) -> list[int]:
         """Commit the longest verified run and update the rest of the draft. Returns the kept slots."""
@@ -177,6 +204,10 @@ class JacobiDecoder:
             if 1 + k > len(slots):
                 slots, accepted = [0, *range(start, start + k)], [draft[0], *gram[:k]]
         correction = pred[slots[-1]]
+        if row.lookup is not None:
+            # The copied text's own verified run: it cannot outrun the committed one (it would have won).
+            held = next((i for i, (c, t) in enumerate(zip(row.copied, accepted[1:])) if c != t), None)
+            row.lookup.update(len(row.copied), min(len(row.copied), len(accepted) - 1) if held is None else held)
         row.recycled += max(0, len(accepted) - a)
         row.forwards += 1
         row.verified += len(accepted)
@@ -187,10 +218,10 @@ class JacobiDecoder:
         rest = [correction, *pred[len(accepted) : len(draft) - 1]]  # the Jacobi update
         if self._emit(row, accepted):
             return slots
+        if row.lookup is not None:
+            row.lookup.extend(accepted)
         self._consume(row, len(accepted))
-        at = 0
-        for j, block in enumerate(row.blocks):
-            row.blocks[j], at = rest[at : at + len(block)], at + len(block)
+        _refill(row, rest)
         self._carry_on(row, correction, guess, progress)
         return slots
 
@@ -203,8 +234,9 @@ class JacobiDecoder:
         return (row.done if len(row.blocks) == 1 else 0) + i - start
 
     def _consume(self, row: Row, count: int) -> None:
-        """Remove `count` committed tokens from the front of the in-flight blocks."""
-        while count > 0:
+        """Remove `count` committed tokens from the front of the in-flight blocks (a prompt-lookup candidate may
+        commit more than they hold)."""
+        while count > 0 and row.blocks:
             take = min(count, len(row.blocks[0]))
             count -= take
             if take < len(row.blocks[0]):
@@ -340,6 +372,13 @@ class LiveBatch:
                 self.slots = None
             self.rows = [self.rows[i] for i in keep]
         return leaving
+
+
+def _refill(row: Row, tokens: list[int]) -> None:
+    """Lay `tokens` over the row's in-flight blocks, keeping their sizes."""
+    at = 0
+    for j, block in enumerate(row.blocks):
+        row.blocks[j], at = tokens[at : at + len(block)], at + len(block)
 
 
 def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:

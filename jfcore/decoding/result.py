@@ -22,7 +22,9 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     forward_seconds: float = 0.0  # decode time spent inside model forward calls
-    recycled_tokens: int = 0  # tokens accepted through recycled n-grams beyond the draft's own run
+    recycled_tokens: int = (
+        0  # tokens accepted through candidates (recycled n-grams, prompt lookup) beyond the draft's own run
+    )
     tokens_per_row: list[int] = field(default_factory=list)
     forwards_per_row: list[int] = field(default_factory=list)
 
@@ -79,6 +81,7 @@ class StepEvent:
     accepted: list[int]  # tokens committed per served row
     committed: list[int]  # prompt + committed tokens per served row (tokens with KV)
     cache_tokens: list[int]  # valid cache slots per served row
+    widths: list[int] = field(default_factory=list)  # query positions per served row (draft and candidates)
 
 
 @dataclass

@@ -75,31 +75,43 @@ class Problem:
         return f"The answer is \\boxed{{{self.gold}}}."
 
 
+def ask_math(problem: str) -> str:
+    return f"{problem}\n{MATH_INSTRUCTION}"
+
+
+def ask_function(code: str) -> str:
+    return (
+        "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
+        f"```python\n{code}```"
+    )
+
+
+def ask_mbpp(task: str, tests: list[str]) -> str:
+    tests_text = "\n".join(tests)
+    return (
+        f"{task}\nYour code should pass these tests:\n\n{tests_text}\n\nReply with the code in a ```python code block."
+    )
+
+
 def _humaneval(row: dict) -> Problem:
     code = humaneval_problem(row)
-    ask = (
-        "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
-        f"```python\n{row['prompt']}```"
-    )
-    return Problem("humaneval", row["task_id"], ask, code.reference, code)
+    return Problem("humaneval", row["task_id"], ask_function(row["prompt"]), code.reference, code)
 
 
 def _mbpp(name: str) -> Callable[[dict], Problem]:
     def make(row: dict) -> Problem:
         code = mbpp_problem(row, name)
-        tests = "\n".join(row["test_list"])
-        ask = f"{code.prompt}\nYour code should pass these tests:\n\n{tests}\n\nReply with the code in a ```python code block."
-        return Problem(name, str(row["task_id"]), ask, code.reference, code)
+        return Problem(name, str(row["task_id"]), ask_mbpp(code.prompt, row["test_list"]), code.reference, code)
 
     return make
 
 
 def _gsm8k(row: dict) -> Problem:
-    return Problem("gsm8k", row["id"], f"{row['question']}\n{MATH_INSTRUCTION}", gsm8k_gold(row["answer"]))
+    return Problem("gsm8k", row["id"], ask_math(row["question"]), gsm8k_gold(row["answer"]))
 
 
 def _math500(row: dict) -> Problem:
-    return Problem("math500", row["unique_id"], f"{row['problem']}\n{MATH_INSTRUCTION}", row["answer"])
+    return Problem("math500", row["unique_id"], ask_math(row["problem"]), row["answer"])
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from jfcore.config import check
+from jfcore.config import ConfigError, check
+from jfcore.decoding.config import DecodeConfig
 from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.models import ModelConfig
 
-MethodName = Literal["hf_greedy", "jacobi", "multiblock"]
+# hf_greedy: the reference; hf_prompt_lookup: HF's prompt-lookup decoding (the untrained baseline to beat);
+# jacobi, multiblock: the fixed settings below; tuned: the model's tuned decoding for this machine (jfcore.metadata).
+MethodName = Literal["hf_greedy", "hf_prompt_lookup", "jacobi", "multiblock", "tuned"]
 REFERENCE = "hf_greedy"  # every other method's output is compared with this one's, model by model
 
 
@@ -21,18 +24,23 @@ class EvalModel:
     model_uri: str | None = None
 
 
+_DECODE = DecodeConfig()  # the fixed methods' settings default to the decoder's own defaults, declared once
+
+
 @dataclass(frozen=True)
 class DecodingSettings:
-    """Every method is greedy; `jacobi` and `multiblock` share `block_size`."""
+    """Every method is greedy; `jacobi` and `multiblock` share the DecodeConfig settings below (the fixed
+    configuration); `tuned` reads each model's own tune (jfcore.metadata)."""
 
-    methods: tuple[MethodName, ...] = ("hf_greedy", "jacobi", "multiblock")
-    max_new_tokens: int = 256
-    block_size: int = 16
-    num_blocks: int = 2  # multiblock: blocks in flight
-    pool_size: int = 4  # multiblock: recycled n-grams verified per forward
-    spawn_ratio: float = 0.85
-    ngram_size: int = 8
+    methods: tuple[MethodName, ...] = ("hf_greedy", "jacobi", "multiblock", "tuned")
+    max_new_tokens: int = _DECODE.max_new_tokens
+    block_size: int = _DECODE.block_size
+    num_blocks: int = _DECODE.num_blocks  # multiblock: blocks in flight
+    pool_size: int = _DECODE.pool_size  # multiblock: recycled n-grams verified per forward
+    spawn_ratio: float = _DECODE.spawn_ratio
+    ngram_size: int = _DECODE.ngram_size
     warmup_tokens: int = 16  # each worker decodes this many tokens per model and method before timing
+    prompt_lookup_tokens: int = 10  # hf_prompt_lookup: candidate tokens per step (HF's own default)
 
     def __post_init__(self) -> None:
         check(
@@ -41,21 +49,20 @@ class DecodingSettings:
         )
         check(len(set(self.methods)) == len(self.methods), f"decoding.methods: listed twice in {list(self.methods)}")
         check(self.max_new_tokens >= 1, f"decoding.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        check(self.block_size >= 1, f"decoding.block_size: must be >= 1, got {self.block_size}")
         check(self.warmup_tokens >= 0, f"decoding.warmup_tokens: must be >= 0, got {self.warmup_tokens}")
+        for method in ("jacobi", "multiblock"):
+            self.decode_config(method)  # DecodeConfig checks the values (block_size >= 1, ...)
 
     def decode_config(self, method: str) -> dict:
-        """Keyword arguments of `DecodeConfig` for a project method (the token budget aside)."""
-        if method == "jacobi":
-            return {"method": "jacobi", "block_size": self.block_size}
-        return {
-            "method": "multiblock",
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "pool_size": self.pool_size,
-            "spawn_ratio": self.spawn_ratio,
-            "ngram_size": self.ngram_size,
-        }
+        """Keyword arguments of `DecodeConfig` for a fixed method (the token budget aside)."""
+        shared = {"method": method, "block_size": self.block_size}
+        if method == "multiblock":
+            shared |= {k: getattr(self, k) for k in ("num_blocks", "pool_size", "spawn_ratio", "ngram_size")}
+        try:
+            DecodeConfig(**shared)
+        except ConfigError as err:
+            raise ConfigError(f"decoding: {err}") from None
+        return shared
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from jfcore.chat import encode_chat
-from jfcore.decoding import special_tokens
+from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
 from jfcore.evaluation.benchmarks import Problem, Score
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
 from jfcore.evaluation.methods import Method, hf_method, project_method
-from jfcore.models import load_model, model_fingerprint, tokenizer_fingerprint
+from jfcore.metadata import decoding_for
+from jfcore.models import load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
+from jfcore.tuning.machine import this_machine
+from jfcore.tuning.tuner import tuned_keys
 
 
 @dataclass
@@ -25,21 +29,34 @@ class LoadedModel:
     model: object
     tokenizer: object
     methods: dict[str, Method]
+    tuned: dict | None = None  # the tuned method's settings, when evaluated
 
 
-def load_models(models: dict[str, EvalModel], settings: DecodingSettings) -> dict[str, LoadedModel]:
+def load_models(models: dict[str, EvalModel], settings: DecodingSettings, log=print) -> dict[str, LoadedModel]:
     loaded = {}
     for label, entry in models.items():
         model, tokenizer = load_model(entry.model)
         eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
-        methods = {
-            name: hf_method(model, eos, pad)
-            if name == REFERENCE
-            else project_method(model, eos, pad, **settings.decode_config(name))
-            for name in settings.methods
-        }
-        loaded[label] = LoadedModel(model, tokenizer, methods)
+        methods = {}
+        for name in settings.methods:
+            if name == REFERENCE:
+                methods[name] = hf_method(model, eos, pad)
+            elif name == "hf_prompt_lookup":
+                methods[name] = hf_method(model, eos, pad, prompt_lookup_num_tokens=settings.prompt_lookup_tokens)
+            elif name == "tuned":
+                tuned = tuned_keys(tuned_config(entry, model, lambda line, label=label: log(f"{label}: {line}")))
+                methods[name] = project_method(model, eos, pad, **tuned)
+            else:
+                methods[name] = project_method(model, eos, pad, **settings.decode_config(name))
+        loaded[label] = LoadedModel(model, tokenizer, methods, tuned if "tuned" in settings.methods else None)
     return loaded
+
+
+def tuned_config(entry: EvalModel, model, log=print) -> DecodeConfig:
+    """The model's tuned decoding on this machine at batch 1 (evaluation decodes one problem at a time)."""
+    checkpoint = resolve_checkpoint(entry.model)
+    machine = this_machine(next(model.parameters()).device, model.dtype)
+    return decoding_for(checkpoint if Path(checkpoint).is_dir() else None, machine, 1, log=log)
 
 
 def fingerprints(models: dict[str, LoadedModel]) -> dict[str, dict[str, str]]:
@@ -58,6 +75,7 @@ class Evaluator:
         self.isolated = isolated  # False: programs run without operating-system isolation (the unsafe flag)
         self.pairs = [(label, method) for label in models for method in settings.methods]
         self.warm = settings.warmup_tokens == 0
+        self.tuned = {label: m.tuned for label, m in models.items()}
 
     def run(self, problems: Sequence[Problem], offset: int = 0) -> list[dict]:
         """Sample rows for `problems`; `offset` (their index in the whole run) sets the rotation of the order."""

@@ -28,8 +28,8 @@ from tests.support.servers import mlflow_server
 from tests.support.tiny_models import save_tiny_checkpoint
 
 BENCHMARKS = [{"name": "gsm8k", "limit": 3, "seed": 1}, {"name": "humaneval", "limit": 3, "seed": 1}]
-DECODING = {"max_new_tokens": 24, "block_size": 4, "warmup_tokens": 4}
-METHODS = ("hf_greedy", "jacobi", "multiblock")
+METHODS = ("hf_greedy", "jacobi", "multiblock")  # the tuned method runs in the pipeline test, after a tune
+DECODING = {"max_new_tokens": 24, "block_size": 4, "warmup_tokens": 4, "methods": list(METHODS)}
 
 
 @pytest.fixture(scope="module")
@@ -225,5 +225,5 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         "error: evaluation.decoding: unknown key 'block_sise' (did you mean 'block_size'?); valid keys: block_size, "
-        "max_new_tokens, methods, ngram_size, num_blocks, pool_size, spawn_ratio, warmup_tokens"
+        "max_new_tokens, methods, ngram_size, num_blocks, pool_size, prompt_lookup_tokens, spawn_ratio, warmup_tokens"
     )

@@ -1,7 +1,7 @@
 """`prefect deployment run jacobi-forcing/full` on the local stack (real Prefect server and process worker,
 real MLflow server), with a tiny model: real Ray trajectories, Parquet, DeepSpeed training, evaluation and
-the registry. The first flow run is cancelled during training; the second reuses the data stages' outputs and
-resumes training from its checkpoint."""
+the tuning stage and the registry. The first flow run is cancelled during training; the second reuses the data
+stages' outputs and resumes training from its checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,7 +17,16 @@ import pytest
 import yaml
 
 from jfcore.hostspeed import scaled
-from tests.support.flow_stack import REPO, prefect, start_run, start_stack, state_of, stop_stack, wait_for
+from tests.support.flow_stack import (
+    REPO,
+    TINY_TUNE,
+    prefect,
+    start_run,
+    start_stack,
+    state_of,
+    stop_stack,
+    wait_for,
+)
 from tests.support.tiny_models import save_tiny_checkpoint
 
 STEPS = 600  # 12 sequences, 2 processes x micro batch 2: 3 steps an epoch; long enough to be cancelled midway
@@ -58,6 +68,7 @@ def recipe(stack) -> Path:
                     "checkpoint_every": 25,
                 },
                 "launch": {"processes": 2, "threads_per_process": 1},
+                "tuning": TINY_TUNE,
                 "evaluation": {
                     "benchmarks": [{"name": "gsm8k", "limit": 2, "seed": 0}, {"name": "humaneval", "limit": 1}],
                     "decoding": {"max_new_tokens": 16, "block_size": 4, "warmup_tokens": 2},
@@ -108,8 +119,8 @@ def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
     states = task_states(stack, two_runs["second"])
     assert "12 already decoded with this model and settings (reused), 0 to decode" in logs
     assert "packing: reused" in logs and "training: reused" not in logs  # training resumed, it was unfinished
-    stages = ("trajectories", "packing", "training", "evaluation", "registry")
-    assert [states[s] for s in stages] == ["Completed"] * 5
+    stages = ("trajectories", "packing", "training", "tuning", "evaluation", "registry")
+    assert [states[s] for s in stages] == ["Completed"] * 6
     step = int(two_runs["kept"][-1].removeprefix("step-"))
     assert f"resumed from step {step} " in logs  # the training loop's own line, after loading the checkpoint
     assert step < STEPS  # it was cancelled before the end
@@ -149,8 +160,15 @@ def test_parquet_outputs(stack, two_runs):
     assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
     [report] = list((work / "evaluation").glob("*/report"))
     samples = pq.read_table(report / "samples.parquet").to_pylist()
-    assert len(samples) == 3 * 2 * 3 and all(s["exact"] for s in samples)
+    assert len(samples) == 3 * 2 * 4 and all(s["exact"] for s in samples)  # problems x models x methods
     assert (work / "training" / "latest" / "final" / "config.json").is_file()
+    # The tuning stage wrote the trained model's tune for this machine, which evaluation's "tuned" method ran.
+    from jfcore.metadata import tuned_decoding
+    from jfcore.tuning.machine import this_machine
+
+    tuned = tuned_decoding(work / "training" / "latest" / "final")
+    assert not tuned.machine.differences(replace(this_machine("cpu", "float32"), torch_threads=1))
+    assert Path(tuned.report).parent == work / "tuning" and (Path(tuned.report) / "tune.json").is_file()
 
 
 def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
@@ -169,7 +187,9 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert {"trajectories", "packing", "evaluation"} <= set(nested)
+    assert {"trajectories", "packing", "tuning", "evaluation"} <= set(nested)
+    assert nested["tuning"].data.metrics["batch1/speedup_measured"] > 0
+    assert {a.path for a in mlflow.list_artifacts(nested["tuning"].info.run_id, "tuning")} >= {"tuning/tune.json"}
     assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
     assert nested["packing"].data.metrics["sequences"] == 12
     [selection] = mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")
@@ -185,7 +205,18 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     assert promoted or "gate: v1 stays challenger" in two_runs["logs"]
     assert aliases == ({"challenger": "1", "champion": "1"} if promoted else {"challenger": "1"})
     version = mlflow.get_model_version("jf-pipeline-tiny", "1")
-    assert version.tags["jacobi_forcing.eval.method"] == "multiblock"
+    assert version.tags["jacobi_forcing.eval.method"] == "tuned"
+    # The registered model carries its tune: a registry download decodes with it on this machine.
+    import mlflow as mlflow_module
+
+    mlflow_module.set_tracking_uri(stack["mlflow"])
+    fetched = Path(
+        mlflow_module.artifacts.download_artifacts(
+            "models:/jf-pipeline-tiny/1", dst_path=str(stack["root"] / "fetched")
+        )
+    )
+    [record] = list(fetched.rglob("jacobi_forcing.json"))
+    assert "tuned" in json.loads(record.read_text())
     assert version.tags["jacobi_forcing.gate.decision"] == ("promoted" if promoted else "rejected")
     assert "of the base model (greedy)" in version.tags["jacobi_forcing.gate.reason"]
 
@@ -214,5 +245,5 @@ def test_results_table_is_a_prefect_artifact(stack, two_runs):
         check=True,
         timeout=scaled(120),
     ).stdout
-    assert "| gsm8k | trained | multiblock |" in out and "outputs identical (every one)" in out
+    assert "| gsm8k | trained | tuned |" in out and "outputs identical (every one)" in out
     assert f"MLflow UI: {stack['mlflow']}" in out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.flow_stack import finish, start_run, start_stack, stop_stack
+from tests.support.flow_stack import TINY_TUNE, finish, start_run, start_stack, stop_stack
 from tests.support.tiny_models import save_tiny_checkpoint
 
 MODEL = "jf-retrain-tiny"
@@ -56,9 +56,15 @@ class Story:
                         "checkpoint_every": 3,
                     },
                     "launch": {"processes": 1, "threads_per_process": 1},
+                    "tuning": TINY_TUNE,
                     "evaluation": {
                         "benchmarks": [{"name": "gsm8k", "limit": 2, "seed": 0}, {"name": "humaneval", "limit": 1}],
-                        "decoding": {"max_new_tokens": 16, "block_size": 4, "warmup_tokens": 2},
+                        "decoding": {
+                            "max_new_tokens": 16,
+                            "block_size": 4,
+                            "warmup_tokens": 2,
+                            "methods": ["hf_greedy", "multiblock", "tuned"],
+                        },
                     },
                     "tracking": {"uri": self.stack["mlflow"], "experiment": EXPERIMENT, "registered_model": MODEL},
                     "retrain_from": retrain_from,

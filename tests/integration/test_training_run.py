@@ -145,15 +145,15 @@ def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uni
     mlflow.set_tracking_uri(setup["mlflow"])
     uri = f"models:/jf-tiny/{uninterrupted.version}"
     defaults = {p.name: p.default for p in mlflow.models.get_model_info(uri).signature.params}
-    assert defaults == {"method": "multiblock", "block_size": 4, "max_new_tokens": 256}  # trained at block size 4
+    assert defaults == {"method": "tuned", "block_size": 0, "max_new_tokens": 256}  # the model's own decoding
     served = mlflow.pyfunc.load_model(uri)
     texts = ["w5 w9 w11 w4", "w30 w7"]
-    completions = served.predict(texts, params={"method": "jacobi", "block_size": 4, "max_new_tokens": 16})
     model, tokenizer = load_model(MC(name_or_path=uninterrupted.final))
-    for text, completion in zip(texts, completions):
-        ids = tokenizer(text)["input_ids"]
-        expected = greedy_reference(model, ids, 16, eos=tokenizer.eos_token_id)
-        assert completion == tokenizer.decode(expected, skip_special_tokens=True)
+    greedy = [greedy_reference(model, tokenizer(t)["input_ids"], 16, eos=tokenizer.eos_token_id) for t in texts]
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in greedy]
+    # Untuned, the default is Jacobi at the trained block size; a caller may name another method.
+    assert served.predict(texts, params={"max_new_tokens": 16}) == expected
+    assert served.predict(texts, params={"method": "multiblock", "block_size": 3, "max_new_tokens": 16}) == expected
 
 
 def test_exported_model_loads_and_decodes_losslessly(setup, uninterrupted):

@@ -15,6 +15,19 @@ from jfcore.hostspeed import scaled
 from tests.support import REPO
 from tests.support.servers import free_port
 
+# A short tune for tiny models in flow tests: few tokens, a small grid, one curve round (seconds, not minutes).
+TINY_TUNE = {
+    "max_new_tokens": 16,
+    "block_sizes": [1, 2, 4],
+    "lookup_tokens": [0, 2, 4],
+    "lookup_ngrams": [2],
+    "confirm": 2,
+    "confirm_prompts": 2,
+    "widths": [1, 2, 4, 8],
+    "curve_rounds": 1,
+    "multiblock": False,
+}
+
 
 def start_stack(root: Path) -> dict:
     """`infra/stack.py up` with its state under `root`; `stop_stack` takes it down."""

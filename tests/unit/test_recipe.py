@@ -38,7 +38,16 @@ def test_shipped_recipes_load(name):
             {"evaluation": {"benchmarks": [{"name": "gsm9k"}]}},
             "recipe.evaluation.benchmarks[0].name: 'gsm9k' is not one",
         ),
-        ({"registry": {"method": "hf_greedy"}}, "gate.method: 'hf_greedy' is not jacobi or multiblock"),
+        ({"registry": {"method": "hf_greedy"}}, "gate.method: 'hf_greedy' is not tuned, jacobi or multiblock"),
+        (
+            {"evaluation": {"decoding": {"methods": ["hf_greedy", "jacobi"]}}},
+            "registry.method: 'tuned' is not evaluated; add it to evaluation.decoding.methods",
+        ),
+        ({"tuning": {"rounds": 1}}, "recipe.tuning: rounds: the median needs >= 3 rounds"),
+        (
+            {"tuning": {"split": [{"path": "x.jsonl", "ask": "essay"}]}},
+            "recipe.tuning.split[0].ask: 'essay' is not one",
+        ),
         ({"schedule": {"cron": "every sunday"}}, "schedule.cron: 'every sunday' is not a 5-field cron expression"),
         ({"launch": {"processes": 0}}, "LaunchConfig.processes: must be >= 1"),
     ],

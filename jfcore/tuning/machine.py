@@ -1,0 +1,55 @@
+"""Which machine a tune was measured on: a tuned configuration holds only where the cost curve was measured."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MachineIdentity:
+    cpu: str  # the CPU model name
+    cores: int  # cores this process may use
+    torch_threads: int
+    gpu: str | None  # the GPU's name when decoding on one
+    device: str  # "cpu" or "cuda"
+    dtype: str  # the model's dtype while measured
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def differences(self, other: MachineIdentity) -> list[str]:
+        """What differs from `other`, as `field: mine != theirs` lines (empty: the same machine)."""
+        return [
+            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def this_machine(device: str | torch.device, dtype: str | torch.dtype) -> MachineIdentity:
+    device = torch.device(device)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return MachineIdentity(
+        cpu=cpu_model(),
+        cores=cores,
+        torch_threads=torch.get_num_threads(),
+        gpu=gpu,
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+    )
