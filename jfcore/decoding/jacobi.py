@@ -145,7 +145,7 @@ class JacobiDecoder:
             if tree is not None:
                 _fill_tree(tree[b], n - sum(len(g) for _, g in cands), cands)
         logits = batch.forward(tokens, valid, positions, tree)
-        predictions = logits.argmax(-1).tolist()  # the one host sync per forward
+        predictions = logits.max(-1).indices.tolist()  # one host sync per forward; max: argmax, faster on CPU
         keep = torch.zeros((len(rows), width), dtype=torch.bool)
         accepted = []
         for b, (row, (_, _, cands)) in enumerate(zip(rows, layouts)):
@@ -339,7 +339,7 @@ class LiveBatch:
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
         d.vocab_size = logits.shape[-1]
-        for row, first in zip(new, logits[:, -1].argmax(-1).tolist()):
+        for row, first in zip(new, logits[:, -1].max(-1).indices.tolist()):
             d._carry_on(row, first, guess=first, progress=0)
         staying = [i for i, row in enumerate(new) if not row.finished]
         if staying:

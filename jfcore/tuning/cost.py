@@ -90,7 +90,7 @@ def measure_curve(
             sync()
             start = time.perf_counter()
             logits = slots.forward(tokens, torch.ones(batch_size, q, dtype=torch.bool), positions)
-            logits.argmax(-1).tolist()  # the decoder reads its predictions back: part of the step's cost
+            logits.max(-1).indices.tolist()  # the decoder reads its predictions back: part of the step's cost
             seconds = time.perf_counter() - start
             slots.keep(torch.zeros(batch_size, q, dtype=torch.bool))  # drop them: the cache stays at `context`
             if r:
