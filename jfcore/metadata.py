@@ -109,7 +109,8 @@ def decoding_for(
     """The decoding configuration to use for `checkpoint` on `machine` at `batch_size` rows.
 
     The model's tune for this machine and batch size; else (one log line says why) the untuned default: Jacobi at
-    the block size the model was trained at (16 for other models). `explicit` DecodeConfig keys override either.
+    the block size the model was trained at (16 for other models). `explicit` DecodeConfig keys override either; an
+    explicit method other than the tune's starts from the untuned default.
     """
     explicit = dict(explicit or {})
     values: dict[str, Any] = {"block_size": DEFAULT_BLOCK_SIZE}
@@ -121,8 +122,9 @@ def decoding_for(
         elif machine is None or (differences := tuned.machine.differences(machine)):
             why = "no machine given" if machine is None else "; ".join(differences)
             log(f"decoding: the model was tuned on another machine ({why}); using the untuned default")
-        else:
-            values = {**values, **{k: getattr(tuned.bucket(batch_size).decoding, k) for k in _tuned_keys()}}
+        elif explicit.get("method", (chosen := tuned.bucket(batch_size).decoding).method) == chosen.method:
+            values = {**values, **{k: getattr(chosen, k) for k in _tuned_keys()}}
+        # else another method was asked for: the tune's settings belong to its own method and do not carry over
     try:
         return from_dict(DecodeConfig, {**values, **explicit}, "decoding")
     except ConfigError:

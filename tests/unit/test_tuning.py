@@ -87,13 +87,10 @@ def test_the_tune_is_read_back_on_its_machine_and_only_there(tmp_path):
     assert (config.method, config.lookup_tokens, config.lookup_ngram, lines) == ("ar", 6, 2, [])
     assert decoding_for(tmp_path, here, 5, log=lines.append).lookup_tokens == 0  # the batch-8 bucket
     assert decoding_for(tmp_path, here, 64, log=lines.append).lookup_tokens == 0  # beyond: the largest bucket
-    explicit = decoding_for(tmp_path, here, 1, {"method": "jacobi", "max_new_tokens": 9}, log=lines.append)
-    assert (explicit.method, explicit.block_size, explicit.lookup_tokens, explicit.max_new_tokens) == (
-        "jacobi",
-        1,
-        6,
-        9,
-    )
+    same = decoding_for(tmp_path, here, 1, {"method": "ar", "lookup_tokens": 3, "max_new_tokens": 9}, log=lines.append)
+    assert (same.method, same.lookup_tokens, same.lookup_ngram, same.max_new_tokens) == ("ar", 3, 2, 9)
+    other = decoding_for(tmp_path, here, 1, {"method": "jacobi"}, log=lines.append)  # not the tune's method
+    assert (other.method, other.block_size, other.lookup_tokens) == ("jacobi", 12, 0)
 
     elsewhere = replace(here, cpu="another CPU", torch_threads=here.torch_threads + 1)
     fallback = decoding_for(tmp_path, elsewhere, 1, log=lines.append)
