@@ -37,18 +37,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "hf_greedy"
 
 
-_DECODE = DecodeConfig()  # multiblock's settings default to the decoder's own, declared once
-
-
 @dataclass(frozen=True)
 class BenchSettings:
     max_new_tokens: int = 128
     block_sizes: tuple[int, ...] = (8, 16, 32)  # one Jacobi method per size
-    multiblock_size: int = _DECODE.block_size
-    num_blocks: int = _DECODE.num_blocks
-    pool_size: int = _DECODE.pool_size
-    spawn_ratio: float = _DECODE.spawn_ratio
-    ngram_size: int = _DECODE.ngram_size
+    multiblock_size: int = DecodeConfig.block_size
+    num_blocks: int = DecodeConfig.num_blocks
+    pool_size: int = DecodeConfig.pool_size
+    spawn_ratio: float = DecodeConfig.spawn_ratio
+    ngram_size: int = DecodeConfig.ngram_size
     prompt_lookup_tokens: int = 10
     batch_size: int = 1
     warmup_tokens: int = 32
@@ -231,10 +228,9 @@ def environment(model_config: ModelConfig) -> dict:
 
 def tuned_settings(model_config: ModelConfig, model, batch_size: int) -> dict:
     """The model's tune for this machine (DecodeConfig keys); an error when it has none."""
-    from jfcore.metadata import decoding_for, tuned_decoding
+    from jfcore.metadata import decoding_for, tuned_decoding, tuned_keys
     from jfcore.models import resolve_checkpoint
     from jfcore.tuning.machine import this_machine
-    from jfcore.tuning.tuner import tuned_keys
 
     checkpoint = resolve_checkpoint(model_config)
     if not Path(checkpoint).is_dir() or tuned_decoding(checkpoint) is None:

@@ -25,12 +25,28 @@ from jfcore.decoding import DecodeConfig
 from jfcore.tuning.machine import MachineIdentity
 
 DEFAULT_BLOCK_SIZE = 16  # a model with no training record of its own
+# The decoding keys a tune chooses and stores; the rest of DecodeConfig (budget, seed, filler) is the caller's.
+TUNED_KEYS = (
+    "method",
+    "block_size",
+    "num_blocks",
+    "spawn_ratio",
+    "pool_size",
+    "ngram_size",
+    "lookup_tokens",
+    "lookup_ngram",
+    "lookup_within",
+)
+
+
+def tuned_keys(config: DecodeConfig) -> dict:
+    return {k: getattr(config, k) for k in TUNED_KEYS}
 
 
 @dataclass(frozen=True)
 class TunedBucket:
     batch_size: int  # decodes batches of up to this many rows (the largest bucket takes any larger batch)
-    decoding: DecodeConfig  # only the tuned keys are stored (jfcore.tuning.tuner.TUNED_KEYS)
+    decoding: DecodeConfig  # only TUNED_KEYS are stored
     predicted_speedup: float  # over AR, on this machine
     measured_speedup: float  # over AR, confirmed by decoding
 
@@ -80,16 +96,16 @@ def trained_block_size(checkpoint: str | Path) -> int | None:
 
 def tuned_decoding(checkpoint: str | Path) -> TunedDecoding | None:
     """The model's tune, checked strictly: an unknown key is an error that names it."""
-    data = read_metadata(checkpoint).get("tuned")
-    if data is None:
-        return None
-    return from_dict(TunedDecoding, data, f"{_path(checkpoint)}: tuned")
+    return _tuned(read_metadata(checkpoint), checkpoint)
+
+
+def _tuned(data: dict[str, Any], checkpoint: str | Path) -> TunedDecoding | None:
+    tuned = data.get("tuned")
+    return None if tuned is None else from_dict(TunedDecoding, tuned, f"{_path(checkpoint)}: tuned")
 
 
 def write_tuned(checkpoint: str | Path, tuned: TunedDecoding) -> None:
     """Store `tuned` in the model's file, keeping what training wrote (replaces an earlier tune)."""
-    from jfcore.tuning.tuner import tuned_keys
-
     data = read_metadata(checkpoint)
     plain = asdict(tuned)
     plain["buckets"] = [
@@ -115,25 +131,15 @@ def decoding_for(
     explicit = dict(explicit or {})
     values: dict[str, Any] = {"block_size": DEFAULT_BLOCK_SIZE}
     if checkpoint is not None:
-        values["block_size"] = trained_block_size(checkpoint) or DEFAULT_BLOCK_SIZE
-        tuned = tuned_decoding(checkpoint)
+        data = read_metadata(checkpoint)
+        values["block_size"] = data.get("block_size") or DEFAULT_BLOCK_SIZE
+        tuned = _tuned(data, checkpoint)
         if tuned is None:
             log(f"decoding: {checkpoint} has no tune (run jf-tune on it); using the untuned default")
         elif machine is None or (differences := tuned.machine.differences(machine)):
             why = "no machine given" if machine is None else "; ".join(differences)
             log(f"decoding: the model was tuned on another machine ({why}); using the untuned default")
         elif explicit.get("method", (chosen := tuned.bucket(batch_size).decoding).method) == chosen.method:
-            values = {**values, **{k: getattr(chosen, k) for k in _tuned_keys()}}
+            values = {**values, **tuned_keys(chosen)}
         # else another method was asked for: the tune's settings belong to its own method and do not carry over
-    try:
-        return from_dict(DecodeConfig, {**values, **explicit}, "decoding")
-    except ConfigError:
-        raise
-    except TypeError as err:
-        raise ConfigError(f"decoding: {err}") from None
-
-
-def _tuned_keys() -> tuple[str, ...]:
-    from jfcore.tuning.tuner import TUNED_KEYS
-
-    return TUNED_KEYS
+    return from_dict(DecodeConfig, {**values, **explicit}, "decoding")

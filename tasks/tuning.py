@@ -16,6 +16,7 @@ docs/DESIGN.md, section 12.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -27,11 +28,11 @@ from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNING
 from jfcore.evaluation.benchmarks import BenchmarkConfig
-from jfcore.metadata import TunedBucket, TunedDecoding, trained_block_size, tuned_decoding, write_tuned
+from jfcore.metadata import TunedBucket, TunedDecoding, trained_block_size, tuned_decoding, tuned_keys, write_tuned
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import run_key
 from jfcore.tuning.machine import this_machine
-from jfcore.tuning.tuner import TuneConfig, TuneResult, tuned_keys
+from jfcore.tuning.tuner import TuneConfig, TuneResult
 from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client, stage_run
 
@@ -61,15 +62,24 @@ def tune_checkpoint(
     """Tune `model`, write the tune into its checkpoint's jacobi_forcing.json and the report under
     `out_root/<key>`; reuse a tune of this model made on this machine with these settings. `threads`: the torch
     threads the decoding will have (an evaluation or serving worker's), part of the machine's identity."""
+    with _torch_threads(threads):
+        return _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
     import torch
 
-    if threads:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return tune_checkpoint(model, config, out_root, avoid, data_dir, tracking, model_uri, None, log)
-        finally:
-            torch.set_num_threads(before)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log) -> TuningResult:
+    import torch
 
     from jfcore.chat import encode_chat
     from jfcore.decoding import special_tokens

@@ -22,9 +22,8 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     forward_seconds: float = 0.0  # decode time spent inside model forward calls
-    recycled_tokens: int = (
-        0  # tokens accepted through candidates (recycled n-grams, prompt lookup) beyond the draft's own run
-    )
+    # Tokens accepted through candidates (recycled n-grams, prompt lookup) beyond the draft's own run.
+    recycled_tokens: int = 0
     tokens_per_row: list[int] = field(default_factory=list)
     forwards_per_row: list[int] = field(default_factory=list)
 

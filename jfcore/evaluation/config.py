@@ -24,21 +24,18 @@ class EvalModel:
     model_uri: str | None = None
 
 
-_DECODE = DecodeConfig()  # the fixed methods' settings default to the decoder's own defaults, declared once
-
-
 @dataclass(frozen=True)
 class DecodingSettings:
     """Every method is greedy; `jacobi` and `multiblock` share the DecodeConfig settings below (the fixed
     configuration); `tuned` reads each model's own tune (jfcore.metadata)."""
 
     methods: tuple[MethodName, ...] = ("hf_greedy", "jacobi", "multiblock", "tuned")
-    max_new_tokens: int = _DECODE.max_new_tokens
-    block_size: int = _DECODE.block_size
-    num_blocks: int = _DECODE.num_blocks  # multiblock: blocks in flight
-    pool_size: int = _DECODE.pool_size  # multiblock: recycled n-grams verified per forward
-    spawn_ratio: float = _DECODE.spawn_ratio
-    ngram_size: int = _DECODE.ngram_size
+    max_new_tokens: int = DecodeConfig.max_new_tokens
+    block_size: int = DecodeConfig.block_size
+    num_blocks: int = DecodeConfig.num_blocks  # multiblock: blocks in flight
+    pool_size: int = DecodeConfig.pool_size  # multiblock: recycled n-grams verified per forward
+    spawn_ratio: float = DecodeConfig.spawn_ratio
+    ngram_size: int = DecodeConfig.ngram_size
     warmup_tokens: int = 16  # each worker decodes this many tokens per model and method before timing
     prompt_lookup_tokens: int = 10  # hf_prompt_lookup: candidate tokens per step (HF's own default)
 

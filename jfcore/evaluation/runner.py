@@ -18,10 +18,9 @@ from jfcore.decoding.reference import first_divergence
 from jfcore.evaluation.benchmarks import Problem, Score
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
 from jfcore.evaluation.methods import Method, hf_method, project_method
-from jfcore.metadata import decoding_for
+from jfcore.metadata import decoding_for, tuned_keys
 from jfcore.models import load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
 from jfcore.tuning.machine import this_machine
-from jfcore.tuning.tuner import tuned_keys
 
 
 @dataclass
@@ -37,7 +36,7 @@ def load_models(models: dict[str, EvalModel], settings: DecodingSettings, log=pr
     for label, entry in models.items():
         model, tokenizer = load_model(entry.model)
         eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
-        methods = {}
+        methods, tuned = {}, None
         for name in settings.methods:
             if name == REFERENCE:
                 methods[name] = hf_method(model, eos, pad)
@@ -48,7 +47,7 @@ def load_models(models: dict[str, EvalModel], settings: DecodingSettings, log=pr
                 methods[name] = project_method(model, eos, pad, **tuned)
             else:
                 methods[name] = project_method(model, eos, pad, **settings.decode_config(name))
-        loaded[label] = LoadedModel(model, tokenizer, methods, tuned if "tuned" in settings.methods else None)
+        loaded[label] = LoadedModel(model, tokenizer, methods, tuned)
     return loaded
 
 

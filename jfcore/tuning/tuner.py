@@ -30,19 +30,6 @@ from jfcore.tuning.machine import MachineIdentity, this_machine
 from jfcore.tuning.predict import Prediction, family, predict
 from jfcore.tuning.split import DEFAULT_SPLIT, TuningSet
 
-# The decoding keys a tune chooses; the rest of DecodeConfig (budget, seed, filler) is the caller's.
-TUNED_KEYS = (
-    "method",
-    "block_size",
-    "num_blocks",
-    "spawn_ratio",
-    "pool_size",
-    "ngram_size",
-    "lookup_tokens",
-    "lookup_ngram",
-    "lookup_within",
-)
-
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -103,10 +90,6 @@ class TuneResult:
     acceptance: Acceptance
     buckets: list[BucketResult] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def tuned_keys(config: DecodeConfig) -> dict:
-    return {k: getattr(config, k) for k in TUNED_KEYS}
 
 
 def grid(config: TuneConfig, record_n: int) -> list[DecodeConfig]:
