@@ -26,9 +26,9 @@ import ray
 import transformers
 
 from bench.decode_bench import RESULTS, environment
+from jfcore.contracts import Selection
 from jfcore.models import ModelConfig
 from jfcore.prompts import PromptSource
-from jfcore.shards import read_manifest
 from jfcore.trajectories import TrajectoryConfig
 from tasks.trajectories import RayConfig, generate_trajectories
 
@@ -77,15 +77,17 @@ def run_config(
         )
         wall = time.perf_counter() - start
         wait_for_exit(pids)  # ray.shutdown() does not wait for the actors: keep them out of the next run
-        manifest = read_manifest(folder)
-        assert manifest.get("complete"), f"run folder {folder} is not complete"
+        selection = Selection.read(folder)  # the prompt set's rows: which shard of the store holds which prompt
+        assert selection.complete and selection.decoded == selection.num_prompts, f"{folder}: not all decoded"
         columns = ["prompt_id", "block_index", "fixed_point", "states"]
-        rows = {
-            (r["prompt_id"], r["block_index"]): r
-            for name in sorted(manifest["shards"])
-            for r in pq.read_table(folder / name, columns=columns).to_pylist()
-        }
-    assert len(rows) == sum(s["rows"] for s in manifest["shards"].values()), "duplicate (prompt_id, block) rows"
+        rows, count = {}, 0
+        for path, ids in selection.files().items():
+            wanted = set(ids)
+            for r in pq.read_table(path, columns=columns).to_pylist():
+                if r["prompt_id"] in wanted:
+                    rows[(r["prompt_id"], r["block_index"])] = r
+                    count += 1
+    assert len(rows) == count, "duplicate (prompt_id, block) rows"
     generation = marks["end"] - marks["ready"]
     (host0, own0), (host1, own1) = cpu["ready"], cpu["end"]
     other = (host1 - host0) - (own1 - own0)  # CPU seconds of everything but the actors and this process
@@ -93,7 +95,7 @@ def run_config(
     record = {
         **asdict(config),
         "name": config.name,
-        "prompts": manifest["num_prompts"],
+        "prompts": selection.num_prompts,
         "rows": len(rows),
         "tokens": tokens,
         "wall_seconds": wall,
