@@ -35,6 +35,7 @@ from jfcore.paths import default_data_dir, eval_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "hf_greedy"
+NEAR_TIE = 1e-5  # a compiled kernel may flip a greedy token only where the top-2 logits are this close
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class BenchSettings:
     batch_size: int = 1
     warmup_tokens: int = 32
     tuned: dict | None = None  # the model's tuned decoding for this machine (DecodeConfig keys), run as "tuned"
+    compile: bool = False  # also each project method with compile="inductor" (named "<method>+inductor")
 
 
 @dataclass
@@ -59,27 +61,32 @@ class Prompt:
     ids: list[int]
 
 
-def build_methods(model, eos: list[int], pad: int, s: BenchSettings) -> dict[str, Method]:
-    methods = {BASELINE: hf_method(model, eos, pad), "ar": project_method(model, eos, pad, method="ar")}
+def project_configs(s: BenchSettings) -> dict[str, dict]:
+    """The project's methods as DecodeConfig keys, by name."""
+    configs = {"ar": {"method": "ar"}}
     for n in s.block_sizes:
-        methods[f"jacobi_n{n}"] = project_method(model, eos, pad, method="jacobi", block_size=n)
+        configs[f"jacobi_n{n}"] = {"method": "jacobi", "block_size": n}
     if s.multiblock_size:
-        methods[f"multiblock_n{s.multiblock_size}"] = project_method(
-            model,
-            eos,
-            pad,
-            method="multiblock",
-            block_size=s.multiblock_size,
-            num_blocks=s.num_blocks,
-            pool_size=s.pool_size,
-            spawn_ratio=s.spawn_ratio,
-            ngram_size=s.ngram_size,
-        )
+        configs[f"multiblock_n{s.multiblock_size}"] = {
+            "method": "multiblock",
+            "block_size": s.multiblock_size,
+            "num_blocks": s.num_blocks,
+            "pool_size": s.pool_size,
+            "spawn_ratio": s.spawn_ratio,
+            "ngram_size": s.ngram_size,
+        }
+    if s.tuned is not None:
+        configs["tuned"] = dict(s.tuned)
+    if s.compile:
+        configs |= {f"{name}+inductor": {**c, "compile": "inductor"} for name, c in configs.items()}
+    return configs
+
+
+def build_methods(model, eos: list[int], pad: int, s: BenchSettings) -> dict[str, Method]:
+    methods = {BASELINE: hf_method(model, eos, pad)}
     if s.batch_size == 1:  # HF assisted generation (prompt lookup) supports batch size 1 only
         methods["hf_prompt_lookup"] = hf_method(model, eos, pad, prompt_lookup_num_tokens=s.prompt_lookup_tokens)
-    if s.tuned is not None:
-        methods["tuned"] = project_method(model, eos, pad, **s.tuned)
-    return methods
+    return methods | {name: project_method(model, eos, pad, **c) for name, c in project_configs(s).items()}
 
 
 def run_bench(
@@ -101,6 +108,13 @@ def run_bench(
 
     for name in names:  # warm-up: one-off costs (allocator, kernels, lazy init) stay out of the timings
         methods[name]([batches[0][0].ids], settings.warmup_tokens)
+    compile_seconds = {}
+    for name in [n for n in names if n.endswith("+inductor")]:  # every shape the timed runs meet compiles now
+        start = time.perf_counter()
+        for batch in batches:
+            methods[name]([p.ids for p in batch], settings.max_new_tokens)
+        compile_seconds[name] = time.perf_counter() - start
+        log(f"{name}: compiled and warmed on every batch in {compile_seconds[name]:.0f} s")
     log(f"warm-up done; timing {len(batches)} batches x {len(names)} methods")
 
     records = []
@@ -127,6 +141,10 @@ def run_bench(
                         "new_tokens": [len(x) for x in run.sequences],
                         "exact": [x == r for x, r in zip(run.sequences, reference)],
                         "first_divergence": [first_divergence(x, r) for x, r in zip(run.sequences, reference)],
+                        "divergence_margin": [
+                            None if x == r else tie_margin(model, p, r[: first_divergence(x, r)])
+                            for p, x, r in zip(ids, run.sequences, reference)
+                        ],
                     }
                     for name, run in runs.items()
                 },
@@ -137,10 +155,21 @@ def run_bench(
     sources = list(by_source)
     return {
         "methods": names,
+        "compile_seconds": compile_seconds,
         "aggregates": aggregate(records, names),
         "by_source": {src: aggregate([r for r in records if r["source"] == src], names) for src in sources},
         "batches": records,
     }
+
+
+def tie_margin(model, prompt: list[int], prefix: list[int]) -> float:
+    """The model's (eager) top-2 logit margin for the token after `prompt + prefix`: how close to a tie the
+    position was where a method's output left the reference."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + prefix], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
 
 
 def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
@@ -155,6 +184,7 @@ def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
         tokens = sum(sum(r["new_tokens"]) for r in rows)
         decode_s, forwards = total["decode_seconds"], total["decode_forwards"]
         divergence = [d for r in rows for d in r["first_divergence"]]
+        margins = [m for r in rows for m in r["divergence_margin"] if m is not None]
         exact = [e for r in rows for e in r["exact"]]
         out[name] = {
             "prompts": len(exact),
@@ -167,6 +197,10 @@ def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
             "exact": sum(exact) / len(exact),
             "first_divergence_mean": sum(divergence) / len(divergence),
             "first_divergence_min": min(divergence),
+            # Outputs that left HF greedy's, and how many did so where the eager top-2 logits were within 1e-5
+            "flips": len(margins),
+            "near_tie_flips": sum(m < NEAR_TIE for m in margins),
+            "flip_margin_max": max(margins, default=None),
         }
     for agg in out.values():
         agg["speedup"] = agg["tps"] / out[BASELINE]["tps"]
@@ -270,6 +304,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--multiblock-size", type=int, default=16, help="block size n of multiblock + recycling (0: none)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per call (prompt lookup needs 1)")
     p.add_argument("--warmup-tokens", type=int, default=32)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also every project method compiled (compile='inductor'); each first decodes every batch untimed",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/decode_<model>_<device>_<dtype>.json)")
     return p.parse_args(argv)
@@ -283,6 +322,7 @@ def main(argv=None) -> int:
         multiblock_size=args.multiblock_size,
         batch_size=args.batch_size,
         warmup_tokens=args.warmup_tokens,
+        compile=args.compile,
     )
     if args.threads:
         torch.set_num_threads(args.threads)

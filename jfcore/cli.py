@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager, flash_attention_2, ...)")
+    p.add_argument(
+        "--compile",
+        choices=["off", "inductor"],
+        help="compile the decode forward (torch.compile, inductor, frozen weights; each new shape compiles once, "
+        "tens of seconds on a CPU, inside the timings): pays on long runs only (default off)",
+    )
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate: identical tokens? speedup?")
     return p
 
@@ -93,7 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
         model, tokenizer = load_model(model_config)
-        explicit = {"method": args.method, "block_size": args.block_size, "max_new_tokens": args.max_new_tokens}
+        explicit = {
+            "method": args.method,
+            "block_size": args.block_size,
+            "max_new_tokens": args.max_new_tokens,
+            "compile": args.compile,
+        }
         checkpoint = resolve_checkpoint(model_config)
         config = decoding_for(
             checkpoint if Path(checkpoint).is_dir() else None,

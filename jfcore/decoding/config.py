@@ -38,6 +38,10 @@ class DecodeConfig:
     # adding positions of its own; for blocks of 2 or more, where width costs more than a guess is worth.
     lookup_within: bool = False
     record_trajectories: bool = False
+    # "inductor": decode forwards run a model compiled with torch.compile (inductor, frozen weights) at fixed shapes
+    # (jfcore/decoding/compiled.py). Each new shape compiles once per process (tens of seconds on a CPU), so it
+    # pays on long runs only; "off" (eager) is the default (docs/DESIGN.md, section 1).
+    compile: Literal["off", "inductor"] = "off"
 
     def __post_init__(self) -> None:
         check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -55,6 +59,7 @@ class DecodeConfig:
             or (self.lookup_tokens and self.blocks_in_flight * self.block_size > 1 and self.method != "ar"),
             "lookup_within needs lookup_tokens > 0 and a draft of 2 or more tokens (method jacobi or multiblock)",
         )
+        check(self.compile in ("off", "inductor"), f"compile must be 'off' or 'inductor', got {self.compile!r}")
         check(
             not (self.record_trajectories and (self.method != "jacobi" or self.lookup_tokens)),
             "record_trajectories needs method 'jacobi' without prompt lookup: trajectories are the states of one "

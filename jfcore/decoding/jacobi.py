@@ -21,6 +21,9 @@ latest earlier occurrence of the row's last tokens (jfcore/decoding/lookup.py).
 Every committed token is checked against the model's own argmax, so the
 output equals greedy autoregressive decoding exactly, whatever the drafts.
 AR decoding is the special case of one block of size 1.
+
+The rules are written here row by row. Rows with one block and no candidates
+(ar, jacobi) run the same rules as batch tensors (jfcore/decoding/batch_rows.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jfcore.decoding.batch_rows import PlainRows
+from jfcore.decoding.compiled import compiled_forward
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
@@ -84,6 +89,9 @@ class JacobiDecoder:
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
         self.on_step = on_step
+        self.compiled = compiled_forward(model) if config.compile == "inductor" else None
+        # One block, no candidates: rows run as batch tensors (jfcore/decoding/batch_rows.py).
+        self.plain = config.blocks_in_flight == 1 and not config.lookup_tokens and not config.recycling
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
@@ -128,31 +136,32 @@ class JacobiDecoder:
     # -- one decode forward for every active row ---------------------------------------------
 
     def _step(self, batch: SlotBatch, rows: list[Row], step: int) -> None:
-        base = [len(r.prompt) + r.verified for r in rows]  # next position = committed tokens, no device sync
+        # The inputs are built as Python lists and become tensors in one call each: per-row tensor writes would
+        # cost more than the rest of the step's host work together.
         layouts = [self._layout(row) for row in rows]
         width = max(len(inputs) for inputs, _, _ in layouts)
-        tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        tokens, positions, valid = [], [], []
+        for row, (inputs, offsets, _) in zip(rows, layouts):
+            base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
+            missing = width - len(inputs)
+            tokens.append(inputs + [self.pad] * missing)
+            positions.append([base + o for o in offsets] + [0] * missing)
+            valid.append([True] * len(inputs) + [False] * missing)
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
-        tree = torch.zeros((len(rows), width, width), dtype=torch.bool) if use_tree else None
-        for b, (inputs, offsets, cands) in enumerate(layouts):
-            n = len(inputs)
-            tokens[b, :n] = torch.tensor(inputs)
-            positions[b, :n] = torch.tensor(offsets) + base[b]
-            valid[b, :n] = True
-            if tree is not None:
-                _fill_tree(tree[b], n - sum(len(g) for _, g in cands), cands)
-        logits = batch.forward(tokens, valid, positions, tree)
+        tree = (
+            _tree([cands for _, _, cands in layouts], [len(inputs) for inputs, _, _ in layouts], width)
+            if use_tree
+            else None
+        )
+        logits = batch.forward(torch.tensor(tokens), torch.tensor(valid), torch.tensor(positions), tree)
         predictions = logits.max(-1).indices.tolist()  # one host sync per forward; max: argmax, faster on CPU
-        keep = torch.zeros((len(rows), width), dtype=torch.bool)
-        accepted = []
-        for b, (row, (_, _, cands)) in enumerate(zip(rows, layouts)):
-            slots = self._verify(row, predictions[b], cands)
-            keep[b, slots] = True
+        keep, accepted = [], []
+        for row, pred, (_, _, cands) in zip(rows, predictions, layouts):
+            slots = self._verify(row, pred, cands)
+            keep.append(slots)
             accepted.append(len(slots))
-        batch.keep(keep)
+        batch.keep_slots(keep)
         if self.on_step is not None:
             committed = [len(r.prompt) + r.verified for r in rows]
             widths = [len(inputs) for inputs, _, _ in layouts]
@@ -280,12 +289,14 @@ class JacobiDecoder:
         size = min(self.block_size, row.max_new_tokens - len(row.out) - in_flight)
         if size <= 0:
             return
-        if self.config.filler == "random":
-            filler = [row.rng.randrange(self.vocab_size) for _ in range(size - 1)]
-        else:
-            filler = row.rng.choices(row.prompt + row.out, k=size - 1)
-        row.blocks.append([first, *filler])
+        row.blocks.append([first, *self.filler(row, size - 1)])
         row.sizes.append(size)
+
+    def filler(self, row: Row, count: int) -> list[int]:
+        """`count` seeded guesses for a fresh block's unknown positions."""
+        if self.config.filler == "random":
+            return [row.rng.randrange(self.vocab_size) for _ in range(count)]
+        return row.rng.choices(row.prompt + row.out, k=count)
 
     def _finish(self, row: Row, last: list[int]) -> None:
         row.out.extend(last)
@@ -313,10 +324,13 @@ class LiveBatch:
     shares the batch: each row attends only to its own valid slots at its own positions.
     """
 
-    def __init__(self, decoder: JacobiDecoder):
+    def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False):
+        """`sync_rows`: keep every row's `out` and `forwards` current after each step (a server streams them);
+        otherwise plain rows get them when they finish."""
         self.decoder = decoder
         self.rows: list[Row] = []
         self.slots: SlotBatch | None = None
+        self.plain = PlainRows(decoder, sync_rows) if decoder.plain else None
         self.steps = 0  # decode forwards run
         self.forward_seconds = 0.0  # time inside those forwards
         self._admitted = 0
@@ -334,7 +348,7 @@ class LiveBatch:
         limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
         new = [d.new_row(self._admitted + i, list(map(int, p)), m) for i, (p, m) in enumerate(zip(prompts, limits))]
         self._admitted += len(new)
-        slots = SlotBatch(d.model, len(new))
+        slots = SlotBatch(d.model, len(new), compiled=d.compiled)
         tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
@@ -350,13 +364,18 @@ class LiveBatch:
             else:
                 self.slots.extend(slots)
             self.rows += [new[i] for i in staying]
+            if self.plain is not None:
+                self.plain.add([new[i] for i in staying])
         return new
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One forward for every row. Returns the rows that finished; they have left the batch."""
         before = self.slots.forward_seconds
-        self.decoder._step(self.slots, self.rows, self.steps)
+        if self.plain is not None:
+            self.plain.step(self.slots)
+        else:
+            self.decoder._step(self.slots, self.rows, self.steps)
         self.forward_seconds += self.slots.forward_seconds - before
         self.steps += 1
         return self.remove([row for row in self.rows if row.finished])
@@ -371,6 +390,8 @@ class LiveBatch:
             else:
                 self.slots = None
             self.rows = [self.rows[i] for i in keep]
+            if self.plain is not None:
+                self.plain.select(keep)
         return leaving
 
 
@@ -381,10 +402,18 @@ def _refill(row: Row, tokens: list[int]) -> None:
         row.blocks[j], at = tokens[at : at + len(block)], at + len(block)
 
 
-def _fill_tree(tree: torch.Tensor, draft_len: int, cands: Candidates) -> None:
-    """Causal among the draft; each candidate sees the draft's first token and its own prefix."""
-    tree[:draft_len, :draft_len] = torch.ones(draft_len, draft_len, dtype=torch.bool).tril()
-    for start, gram in cands:
-        span = slice(start, start + len(gram))
-        tree[span, 0] = True
-        tree[span, span] = torch.ones(len(gram), len(gram), dtype=torch.bool).tril()
+def _tree(candidates: list[Candidates], widths: list[int], width: int) -> torch.Tensor:
+    """[B, Q, Q]: causal among each row's draft; each candidate sees the draft's first token and its own prefix.
+
+    Built from one segment id per position (0: the draft, i: the i-th candidate, -1: row padding) in a few tensor
+    operations for the whole batch."""
+    segments = []
+    for cands, n in zip(candidates, widths):
+        seg = [0] * (cands[0][0] if cands else n)
+        for i, (_, gram) in enumerate(cands, start=1):
+            seg += [i] * len(gram)
+        segments.append(seg + [-1] * (width - len(seg)))
+    seg = torch.tensor(segments)
+    query, key = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    return (causal & (query == key) & (query >= 0)) | ((query > 0) & (torch.arange(width) == 0))

@@ -10,9 +10,11 @@ over a row's valid slots is exactly attention over its committed text. Holes
 are squeezed out when they would waste much memory. The bookkeeping lives on
 the host, so it costs no device sync.
 
-Only the public transformers API is used: a `DynamicCache`, its `crop` and
+Only the public transformers API is used: a cache (`SlotCache`, a
+`DynamicCache` whose layers are written in place), its `crop` and
 `batch_select_indices`, a 2D attention mask (or a 4D additive mask for tree
-verification) and explicit `position_ids`.
+verification) and explicit `position_ids`. The host mask has room to spare
+too, so a step appends nothing by concatenation.
 """
 
 from __future__ import annotations
@@ -21,23 +23,45 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from jfcore.decoding.kv_cache import GRANULE, SlotCache
 
 
 class SlotBatch:
-    def __init__(self, model: torch.nn.Module, batch_size: int, compact: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch_size: int,
+        compact: bool = True,
+        compiled: torch.nn.Module | None = None,
+    ):
+        """`compiled`: a compiled `model` for decode forwards, which then run at fixed shapes: the query width
+        padded to a power of two and the cache read in whole granules (the first forward, the prefill, stays
+        eager: prompts have any length)."""
         self.model = model
+        self.compiled = compiled
         self.device = next(model.parameters()).device
         self.compact = compact
-        self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # on the host
+        self.cache = SlotCache(model.config)
+        self._valid = torch.zeros(batch_size, GRANULE, dtype=torch.bool)  # on the host; room to spare
+        self.num_slots = 0
+        self._new = 0  # first slot of the last forward's queries
         self.forward_seconds = 0.0
         self._sync = device_sync(self.device)
 
     @property
-    def num_slots(self) -> int:
-        return self.valid.shape[1]
+    def valid(self) -> torch.Tensor:
+        """[B, num_slots]: which slots hold each row's committed tokens."""
+        return self._valid[:, : self.num_slots]
+
+    @valid.setter
+    def valid(self, value: torch.Tensor) -> None:
+        rows, slots = value.shape
+        if rows != self._valid.shape[0] or slots > self._valid.shape[1]:
+            self._valid = torch.zeros(rows, _room(slots), dtype=torch.bool)
+        self._valid[:, :slots] = value
+        self._valid[:, slots:] = False
+        self.num_slots = slots
 
     def lengths(self) -> torch.Tensor:
         """Committed tokens per row (prompt included): the next position id."""
@@ -60,40 +84,81 @@ class SlotBatch:
         Returns logits [B, Q, V]; the Q new slots stay in the cache until
         `keep` decides which of them are committed.
         """
-        if tree is None:
-            mask = torch.cat([self.valid, query_valid], dim=1).long().to(self.device, non_blocking=True)
+        q = tokens.shape[1]
+        fixed = self.compiled is not None and self.num_slots > 0 and self.cache.in_place
+        if fixed:  # pad the queries to a power of two: padding slots are never kept, and `keep` crops them
+            width = 1 << (q - 1).bit_length()
+            tokens, query_valid, positions = (_pad(t, width) for t in (tokens, query_valid, positions))
+            tree = None if tree is None else _pad(_pad(tree, width).transpose(1, 2), width).transpose(1, 2)
+        self._new = self.num_slots
+        self._append(query_valid)  # for the mask; `keep` then marks which of them are committed
+        if tree is None and not fixed:
+            mask = self.valid.long().to(self.device, non_blocking=True)
         else:
-            seen = tree & query_valid[:, None, :]
-            seen = torch.cat([self.valid[:, None, :].expand(-1, tokens.shape[1], -1), seen], dim=2)
-            seen = seen.to(self.device, non_blocking=True)
-            dtype = self.model.dtype
-            mask = torch.zeros(seen.shape, dtype=dtype, device=self.device)
-            mask.masked_fill_(~seen, torch.finfo(dtype).min)
-            mask = mask[:, None]
+            mask = self._mask(query_valid, tree, view=_granules(self.num_slots) if fixed else self.num_slots)
+        inputs = {
+            "input_ids": tokens.to(self.device, non_blocking=True),
+            "attention_mask": mask,
+            "position_ids": positions.to(self.device, non_blocking=True),
+            "past_key_values": self.cache,
+            "use_cache": True,
+        }
         start = time.perf_counter()
-        out = self.model(
-            input_ids=tokens.to(self.device, non_blocking=True),
-            attention_mask=mask,
-            position_ids=positions.to(self.device, non_blocking=True),
-            past_key_values=self.cache,
-            use_cache=True,
-            **model_kwargs,
-        )
+        if fixed:
+            with self.cache.fixed_shape(tokens.shape[1], mask.shape[-1], self.device):
+                logits = self.compiled(**inputs).logits[:, :q]
+        else:
+            logits = self.model(**inputs, **model_kwargs).logits
         self._sync()
         self.forward_seconds += time.perf_counter() - start
-        self.valid = torch.cat([self.valid, torch.zeros_like(query_valid)], dim=1)
-        return out.logits
+        self._valid[:, self._new : self.num_slots] = False
+        return logits
+
+    def _mask(self, query_valid: torch.Tensor, tree: torch.Tensor | None, view: int) -> torch.Tensor:
+        """[B, 1, Q, view] additive mask: each query sees its row's valid slots, and the new ones its `tree` (default:
+        causal) allows; slots past the cache's end are hidden."""
+        rows, q = query_valid.shape
+        if tree is None:
+            tree = torch.ones(q, q, dtype=torch.bool).tril().expand(rows, -1, -1)
+        seen = torch.zeros(rows, q, view, dtype=torch.bool)
+        seen[:, :, : self._new] = self.valid[:, None, : self._new]
+        seen[:, :, self._new : self._new + q] = tree & query_valid[:, None, :]
+        dtype = self.model.dtype
+        mask = torch.zeros(seen.shape, dtype=dtype)
+        mask.masked_fill_(~seen, torch.finfo(dtype).min)
+        return mask[:, None].to(self.device, non_blocking=True)
+
+    def _append(self, slots: torch.Tensor) -> None:
+        end = self.num_slots + slots.shape[1]
+        if end > self._valid.shape[1]:
+            grown = torch.zeros(self._valid.shape[0], _room(end), dtype=torch.bool)
+            grown[:, : self.num_slots] = self.valid
+            self._valid = grown
+        self._valid[:, self.num_slots : end] = slots
+        self.num_slots = end
 
     def keep(self, committed: torch.Tensor) -> None:
         """Mark which of the last forward's Q slots hold committed tokens [B, Q] (host)."""
         q = committed.shape[1]
-        self.valid[:, -q:] = committed
+        self._valid[:, self._new : self._new + q] = committed
         # Slots after every row's last valid one are dead for all rows: crop them.
         used = self.valid.any(dim=0).nonzero()
-        last = int(used[-1]) + 1 if len(used) else 0
+        self._crop(int(used[-1]) + 1 if len(used) else 0)
+
+    def keep_slots(self, kept: list[list[int]]) -> None:
+        """`keep` for kept slot indices per row (each within the last forward's slots), without a [B, Q]
+        tensor built row by row: one scatter, and the crop read off the lists."""
+        start = self._new
+        rows = [b for b, slots in enumerate(kept) for _ in slots]
+        columns = [start + s for slots in kept for s in slots]
+        self._valid[rows, columns] = True
+        # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
+        self._crop(max((start + max(slots) + 1 for slots in kept if slots), default=start))
+
+    def _crop(self, last: int) -> None:
         if last < self.num_slots:
             self.cache.crop(last - self.num_slots)
-            self.valid = self.valid[:, :last]
+            self.num_slots = last
         self._maybe_compact()
 
     def select_rows(self, rows: list[int]) -> None:
@@ -105,9 +170,8 @@ class SlotBatch:
 
     @property
     def mergeable(self) -> bool:
-        """Whether every cache layer is a plain dynamic one, whose slots this class may move (see `extend`)."""
-        layers = getattr(self.cache, "layers", [])
-        return all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
+        """Whether every cache layer is a plain in-place one, whose slots this class may move (see `extend`)."""
+        return self.cache.in_place
 
     def extend(self, other: SlotBatch) -> None:
         """Append `other`'s rows (continuous batching). Both are right-aligned to the wider slot count; the
@@ -116,8 +180,10 @@ class SlotBatch:
             raise ValueError("this model's cache has special layers (sliding window, ...): batches cannot merge")
         width = max(self.num_slots, other.num_slots)
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_grow(mine.keys, width), _left_grow(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_left_grow(mine.values, width), _left_grow(theirs.values, width)], dim=0)
+            mine.set_slots(
+                torch.cat([_left_grow(mine.keys, width), _left_grow(theirs.keys, width)], dim=0),
+                torch.cat([_left_grow(mine.values, width), _left_grow(theirs.values, width)], dim=0),
+            )
         self.valid = torch.cat([_left_grow(self.valid, width), _left_grow(other.valid, width)], dim=0)
 
     def _maybe_compact(self) -> None:
@@ -128,7 +194,7 @@ class SlotBatch:
         if not self.compact or waste < max(32, self.num_slots // 4):
             return
         # Sliding-window and other special layers keep their own bookkeeping: leave them alone.
-        if not getattr(self.cache, "layers", None) or not self.mergeable:
+        if not self.mergeable:
             return
         # Row b's valid slots, right-aligned into `width` slots (left padding for shorter rows).
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
@@ -136,9 +202,26 @@ class SlotBatch:
         order = order.to(self.device)
         for layer in self.cache.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = torch.gather(layer.keys, 2, index)
-            layer.values = torch.gather(layer.values, 2, index)
+            layer.set_slots(torch.gather(layer.keys, 2, index), torch.gather(layer.values, 2, index))
         self.valid = new_valid
+
+
+def _granules(slots: int) -> int:
+    return -(-slots // GRANULE) * GRANULE
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` [B, Q, ...] with zeros (False) appended along dim 1 up to `width`."""
+    if t.shape[1] == width:
+        return t
+    shape = list(t.shape)
+    shape[1] = width - t.shape[1]
+    return torch.cat([t, t.new_zeros(shape)], dim=1)
+
+
+def _room(slots: int) -> int:
+    """Host mask columns for `slots` slots: twice as many, in whole granules, so growing is rare."""
+    return -(-2 * slots // GRANULE) * GRANULE
 
 
 def _left_grow(slots: torch.Tensor, width: int) -> torch.Tensor:

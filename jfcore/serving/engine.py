@@ -96,7 +96,7 @@ class Engine:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.config = config
         self.decoder = JacobiDecoder(model, config, eos, pad)
-        self.live = LiveBatch(self.decoder)
+        self.live = LiveBatch(self.decoder, sync_rows=True)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.metrics = metrics or ServingMetrics()
@@ -161,7 +161,7 @@ class Engine:
                 traceback.print_exc()
                 unadmitted = [r for r in joining if r.row is None and not r.cancelled]
                 self._fail([*self._serving, *unadmitted], f"{type(err).__name__}: {err}")
-                self.live = LiveBatch(self.decoder)
+                self.live = LiveBatch(self.decoder, sync_rows=True)
         with self._wake:
             waiting, self._waiting = list(self._waiting), deque()
         self._fail([*self._serving, *waiting], "the server is shutting down")

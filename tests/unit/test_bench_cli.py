@@ -102,3 +102,23 @@ def test_cli_errors_are_clear(tiny, prompts_file, capsys):
     assert "prompt file not found" in capsys.readouterr().err
     assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file), "--field", "question"]) == 2
     assert "no field 'question' (fields: q)" in capsys.readouterr().err
+
+
+def test_step_overhead_bench_times_every_method_beside_hf_generate(tmp_path):
+    """Every method gets a whole step, a forward and a host share per batch size, each method decoding the same
+    number of steps (EOS off), and the ratios are against HF generate's whole step of the same batch."""
+    from bench import step_overhead
+
+    out = step_overhead.main(
+        ["--batches", "1", "3", "--rounds", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "s.json")]
+    )
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "3"}
+    for figures in results.values():
+        assert set(figures) == {"hf_generate", "ar", "jacobi", "multiblock"}
+        hf = figures["hf_generate"]
+        assert hf["steps"] == 5 and figures["ar"]["steps"] == 5  # 6 tokens: the prefill gives the first
+        for f in figures.values():
+            assert 0 < f["forward_ms"] <= f["step_ms"]
+            assert f["host_ms"] == pytest.approx(f["step_ms"] - f["forward_ms"])
+            assert f["step_over_hf_step"] == pytest.approx(f["step_ms"] / hf["step_ms"])

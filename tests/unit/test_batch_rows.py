@@ -1,0 +1,155 @@
+"""The batch-tensor step (jfcore/decoding/batch_rows.py) against the row-by-row rules, and the in-place KV cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from jfcore.decoding import DecodeConfig, StepEvent
+from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch
+from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
+from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
+
+
+def _run(decoder: JacobiDecoder, prompts):
+    events: list[StepEvent] = []
+    decoder.on_step = events.append
+    out = decoder.decode(prompts)
+    trajectories = None if out.trajectories is None else [[(b.start, b.states) for b in t] for t in out.trajectories]
+    return out.sequences, out.stats.forwards_per_row, out.stats.forward_calls, trajectories, events
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batch_tensor_rows_follow_the_row_by_row_rules_exactly(arch):
+    """Same tokens, forwards per row, recorded trajectories and per-step events as the row-by-row decoder, over
+    block sizes, budgets, EOS sets, fillers, ragged prompts and batch sizes."""
+    m = tiny_model(arch)
+    rng = random.Random(arch)
+    plain_runs = 0
+    for case in range(12):
+        prompts = [[rng.randrange(1, 96) for _ in range(rng.randrange(1, 12))] for _ in range(rng.choice([1, 3, 6]))]
+        method = rng.choice(["ar", "jacobi", "jacobi"])
+        config = DecodeConfig(
+            method=method,
+            block_size=rng.choice([1, 2, 3, 5, 8, 16]),
+            max_new_tokens=rng.choice([1, 2, 7, 24]),
+            filler=rng.choice(["context", "random"]),
+            seed=case,
+            record_trajectories=method == "jacobi" and rng.random() < 0.5,
+        )
+        reference = greedy_reference(m, prompts[0], config.max_new_tokens)
+        eos = rng.choice([[], [reference[len(reference) // 2]], [reference[-1], 3]])
+        batched = JacobiDecoder(m, config, eos, 0)
+        assert batched.plain
+        row_by_row = JacobiDecoder(m, config, eos, 0)
+        row_by_row.plain = False
+        assert _run(batched, prompts) == _run(row_by_row, prompts)
+        plain_runs += 1
+    assert plain_runs == 12
+
+
+def test_synced_rows_stream_their_tokens_as_they_are_committed():
+    """With `sync_rows` (the server's mode) every row's `out` grows step by step to its greedy continuation, also
+    for rows that join a running batch."""
+    m = tiny_model("llama")
+    config = DecodeConfig(block_size=4, max_new_tokens=20)
+    decoder = JacobiDecoder(m, config, [], 0)
+    live = LiveBatch(decoder, sync_rows=True)
+    first = live.add([[5, 6, 7]])
+    seen = {id(first[0]): [list(first[0].out)]}
+    joined = []
+    for step in range(40):
+        if step == 2:
+            joined = live.add([[9, 1], [4]])
+            seen.update({id(r): [list(r.out)] for r in joined})
+        if not live.rows:
+            break
+        rows = list(live.rows)
+        live.step()
+        for row in rows:
+            seen[id(row)].append(list(row.out))
+    for row, prompt in [(first[0], [5, 6, 7]), (joined[0], [9, 1]), (joined[1], [4])]:
+        final = greedy_reference(m, prompt, 20)
+        assert row.finished and row.out == final
+        history = seen[id(row)]
+        assert all(final[: len(h)] == h for h in history)  # every snapshot is a prefix
+        assert len({len(h) for h in history}) > 2  # and it grew over several steps, not only at the end
+        assert row.forwards == len(history) - 1
+
+
+def _forward(m, cache, tokens, start, mask):
+    positions = torch.arange(start, start + tokens.shape[1]).expand(tokens.shape[0], -1)
+    return m(
+        input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+    ).logits
+
+
+@torch.inference_mode()
+def test_in_place_cache_equals_the_dynamic_cache_through_growth_crop_and_row_selection():
+    m = tiny_model("llama")
+    slot, dynamic = SlotCache(m.config), DynamicCache(config=m.config)
+    gen = torch.Generator().manual_seed(0)
+    length = GRANULE - 5  # the first steps cross the first granule: storage grows
+    prompt = torch.randint(1, 96, (3, length), generator=gen)
+    mask = torch.ones(3, length, dtype=torch.long)
+    torch.testing.assert_close(_forward(m, slot, prompt, 0, mask), _forward(m, dynamic, prompt, 0, mask))
+    for step in range(6):
+        draft = torch.randint(1, 96, (mask.shape[0], 8), generator=gen)
+        mask = torch.cat([mask, torch.ones_like(draft)], dim=1)
+        torch.testing.assert_close(_forward(m, slot, draft, length, mask), _forward(m, dynamic, draft, length, mask))
+        written = length + 8
+        drop = step % 4  # keep 8 - drop of the new slots
+        slot.crop(-drop)
+        dynamic.crop(-drop)
+        mask = mask[:, : mask.shape[1] - drop]
+        length += 8 - drop
+        if step == 3:  # a row leaves
+            index = torch.tensor([0, 2])
+            slot.batch_select_indices(index)
+            dynamic.batch_select_indices(index)
+            mask = mask[index]
+    assert all(isinstance(layer, SlotLayer) for layer in slot.layers)
+    assert slot.get_seq_length() == dynamic.get_seq_length() == length
+    assert slot.layers[0]._k.shape[2] >= 2 * GRANULE  # it grew, and holds room to spare
+    # Slots never written are zeros: a fixed-shape read covers them, and garbage (NaN) there would poison attention.
+    assert all(not layer._k[:, :, written:].any() and not layer._v[:, :, written:].any() for layer in slot.layers)
+    for a, b in zip(slot.layers, dynamic.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_fixed_shape_forwards_are_exact(arch):
+    """The compiled path's mechanics (queries padded to a power of two, the cache read in whole granules through
+    a position tensor, 4D masks, padding slots cropped), run with the eager model in place of the compiled one:
+    every method still gives `generate`'s tokens, and prompts long enough to cross a granule do too."""
+    m = tiny_model(arch)
+    rng = random.Random(arch)
+    configs = [
+        DecodeConfig(method="ar", max_new_tokens=20),
+        DecodeConfig(method="jacobi", block_size=5, max_new_tokens=20),
+        DecodeConfig(method="jacobi", block_size=3, max_new_tokens=20, lookup_tokens=3),
+        DecodeConfig(method="multiblock", block_size=3, num_blocks=2, pool_size=2, ngram_size=3, max_new_tokens=20),
+    ]
+    widths: list[int] = []
+    for config in configs:
+        prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, GRANULE - 10)]
+        decoder = JacobiDecoder(m, config, [], 0)
+        decoder.compiled = m
+        decoder.on_step = lambda event: widths.append(max(event.widths))
+        out = decoder.decode(prompts)
+        assert out.sequences == [greedy_reference(m, p, 20) for p in prompts], config.describe()
+    assert any(w & (w - 1) for w in widths)  # some forwards really were padded (a width not a power of two)
+
+
+def test_inductor_compiled_decoding_is_greedy():
+    """compile='inductor' end to end on a tiny model: the compiled forwards give `generate`'s tokens."""
+    m = tiny_model("llama")
+    prompt = [5, 9, 2, 7]
+    reference = greedy_reference(m, prompt, 12)
+    for method in ("ar", "jacobi"):
+        config = DecodeConfig(method=method, block_size=4, max_new_tokens=12, compile="inductor")
+        assert JacobiDecoder(m, config, [], 0).decode([prompt]).sequences == [reference]
