@@ -45,6 +45,7 @@ from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, S
 from jfcore.decoding.slots import SlotBatch, left_pad
 
 Candidates = list[tuple[int, tuple[int, ...]]]  # (first slot, continuation tokens)
+BATCH_TENSOR_ROWS = 8
 
 
 @dataclass
@@ -90,8 +91,11 @@ class JacobiDecoder:
         self.pad = pad_token_id
         self.on_step = on_step
         self.compiled = compiled_forward(model) if config.compile == "inductor" else None
-        # One block, no candidates: rows run as batch tensors (jfcore/decoding/batch_rows.py).
-        self.plain = config.blocks_in_flight == 1 and not config.lookup_tokens and not config.recycling
+        # One block, no candidates: from this many rows on, a decode runs them as batch tensors
+        # (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor ops on a CPU host; below it,
+        # the row-by-row rules cost less (bench/step_overhead.py: about even at 8 rows). None: never.
+        plain = config.blocks_in_flight == 1 and not config.lookup_tokens and not config.recycling
+        self.batch_tensors_from: int | None = BATCH_TENSOR_ROWS if plain else None
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
@@ -114,7 +118,8 @@ class JacobiDecoder:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("decode needs at least one prompt, and every prompt at least one token")
         stats = DecodeStats()
-        live = LiveBatch(self)
+        start_from = self.batch_tensors_from
+        live = LiveBatch(self, batch_tensors=start_from is not None and len(prompts) >= start_from)
         start = time.perf_counter()
         rows = live.add(prompts)
         stats.prefill_seconds = time.perf_counter() - start
@@ -324,13 +329,15 @@ class LiveBatch:
     shares the batch: each row attends only to its own valid slots at its own positions.
     """
 
-    def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False):
-        """`sync_rows`: keep every row's `out` and `forwards` current after each step (a server streams them);
-        otherwise plain rows get them when they finish."""
+    def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False, batch_tensors: bool = True):
+        """`batch_tensors`: run plain rows (see `JacobiDecoder.batch_tensors_from`) as batch tensors. `sync_rows`:
+        then keep every row's `out` and `forwards` current after each step (a server streams them); otherwise
+        they get them when they finish."""
         self.decoder = decoder
         self.rows: list[Row] = []
         self.slots: SlotBatch | None = None
-        self.plain = PlainRows(decoder, sync_rows) if decoder.plain else None
+        use = batch_tensors and decoder.batch_tensors_from is not None
+        self.plain = PlainRows(decoder, sync_rows) if use else None
         self.steps = 0  # decode forwards run
         self.forward_seconds = 0.0  # time inside those forwards
         self._admitted = 0
