@@ -7,7 +7,7 @@ on the same prompts, EOS off so every row runs the whole budget, and times every
 
 - whole step: decode time (prefill excluded) / decode forwards
 - forward: time inside the model's forward / decode forwards (a sync closes each on a GPU), measured by the
-  decoder itself for the project's methods and by forward hooks for `generate`
+  decoder itself for the project's methods and by evaluation's forward hooks for `generate`
 - host: whole step - forward: the decoder's own work per step
 
 Printed and written to JSON: each figure, and host time / HF generate's whole step (the issue's targets at batch
@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.slots import device_sync
+from jfcore.evaluation.methods import hf_method
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = {
@@ -59,52 +59,15 @@ def short_forward_model(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-class ForwardTimer:
-    """Times every forward of `model` with hooks (no change to the model): calls and seconds inside."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.durations: list[float] = []
-        self._start = 0.0
-        self._sync = device_sync(next(model.parameters()).device)
-        model.register_forward_pre_hook(self._before)
-        model.register_forward_hook(self._after)
-
-    def _before(self, *_):
-        self._sync()
-        self._start = time.perf_counter()
-
-    def _after(self, *_):
-        self._sync()
-        self.durations.append(time.perf_counter() - self._start)
-
-    def reset(self) -> None:
-        self.durations = []
-
-
 def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(rng.randrange(32, 97))] for _ in range(batch)]
 
 
-def run_hf(model, timer: ForwardTimer, prompts: list[list[int]], new_tokens: int) -> dict:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    timer.reset()
-    start = time.perf_counter()
-    model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    total = time.perf_counter() - start
-    # generate's first forward is its prefill: leave it out.
-    prefill, *steps = timer.durations
-    return _figures(total - prefill, sum(steps), len(steps))
+def run_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """HF greedy `generate` timed by evaluation's own hooks (the first forward is the prefill, left out)."""
+    run = hf_method(model, [], 0, min_new_tokens=new_tokens)(prompts, new_tokens)
+    return _figures(run.decode_seconds, run.forward_seconds, run.decode_forwards // len(prompts))
 
 
 def run_project(model, prompts: list[list[int]], new_tokens: int, config: DecodeConfig) -> dict:
@@ -138,7 +101,6 @@ def main(argv: list[str] | None = None) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = short_forward_model()
-    timer = ForwardTimer(model)
     vocab = model.config.vocab_size
     run_project(model, prompts_for(2, vocab, 99), 8, METHODS["jacobi"])  # warm-up
     results = {}
@@ -149,7 +111,7 @@ def main(argv: list[str] | None = None) -> Path:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 if name == "hf_generate":
-                    rounds[name].append(run_hf(model, timer, prompts, args.max_new_tokens))
+                    rounds[name].append(run_hf(model, prompts, args.max_new_tokens))
                 else:
                     rounds[name].append(run_project(model, prompts, args.max_new_tokens, METHODS[name]))
         results[batch] = {name: _median(rs) for name, rs in rounds.items()}

@@ -25,6 +25,11 @@ from transformers.cache_utils import DynamicLayer
 GRANULE = 256  # slots: storage grows in whole multiples of this
 
 
+def granules(slots: int) -> int:
+    """`slots` rounded up to whole granules."""
+    return -(-slots // GRANULE) * GRANULE
+
+
 class SlotLayer(DynamicLayer):
     """One layer's keys and values in preallocated storage; `keys`/`values` are views of the used slots."""
 
@@ -89,7 +94,7 @@ class SlotLayer(DynamicLayer):
         """Room for `slots` slots, growing storage to at least double (one copy of the used part)."""
         if slots <= self._k.shape[2]:
             return
-        capacity = -(-max(slots, 2 * self._k.shape[2]) // GRANULE) * GRANULE
+        capacity = granules(max(slots, 2 * self._k.shape[2]))
         for name in ("_k", "_v"):
             old = getattr(self, name)
             # Zeros, not garbage: a fixed-shape read covers slots never written, and a NaN there would poison

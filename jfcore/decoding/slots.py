@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from jfcore.decoding.kv_cache import GRANULE, SlotCache
+from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
 
 
 class SlotBatch:
@@ -95,7 +95,7 @@ class SlotBatch:
         if tree is None and not fixed:
             mask = self.valid.long().to(self.device, non_blocking=True)
         else:
-            mask = self._mask(query_valid, tree, view=_granules(self.num_slots) if fixed else self.num_slots)
+            mask = self._mask(query_valid, tree, view=granules(self.num_slots) if fixed else self.num_slots)
         inputs = {
             "input_ids": tokens.to(self.device, non_blocking=True),
             "attention_mask": mask,
@@ -206,10 +206,6 @@ class SlotBatch:
         self.valid = new_valid
 
 
-def _granules(slots: int) -> int:
-    return -(-slots // GRANULE) * GRANULE
-
-
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     """`t` [B, Q, ...] with zeros (False) appended along dim 1 up to `width`."""
     if t.shape[1] == width:
@@ -221,7 +217,7 @@ def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def _room(slots: int) -> int:
     """Host mask columns for `slots` slots: twice as many, in whole granules, so growing is rare."""
-    return -(-2 * slots // GRANULE) * GRANULE
+    return granules(2 * slots)
 
 
 def _left_grow(slots: torch.Tensor, width: int) -> torch.Tensor:
