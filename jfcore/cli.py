@@ -26,6 +26,7 @@ import torch
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
 from jfcore.decoding import decode, special_tokens
+from jfcore.decoding.config import COMPILE_MODES
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.slots import device_sync
 from jfcore.metadata import decoding_for
@@ -57,9 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager, flash_attention_2, ...)")
     p.add_argument(
         "--compile",
-        choices=["off", "inductor"],
-        help="compile the decode forward (torch.compile, inductor, frozen weights; each new shape compiles once, "
-        "tens of seconds on a CPU, inside the timings): pays on long runs only (default off)",
+        choices=COMPILE_MODES,
+        help="how decode forwards run: cuda_graphs (one CUDA graph per shape bucket), inductor (torch.compile with "
+        "frozen weights; each new shape compiles once, tens of seconds on a CPU, inside the timings: pays on long "
+        "runs only), off (eager); default auto: cuda_graphs on a GPU, off elsewhere",
     )
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate: identical tokens? speedup?")
     return p

@@ -70,6 +70,7 @@ class TrajectoryConfig:
     batch_size: int = 8  # prompts decoded together by one model replica
     filler: Literal["context", "random"] = DecodeConfig.filler
     seed: int = DecodeConfig.seed
+    compile: Literal["auto", "off", "inductor", "cuda_graphs"] = DecodeConfig.compile  # how forwards run
 
     def __post_init__(self) -> None:
         check(self.block_size >= 2, f"block_size must be >= 2 to have a trajectory, got {self.block_size}")
@@ -83,6 +84,7 @@ class TrajectoryConfig:
             max_new_tokens=self.max_new_tokens,
             filler=self.filler,
             seed=self.seed,
+            compile=self.compile,
             record_trajectories=True,
         )
 

@@ -87,9 +87,9 @@ def generate_trajectories(
     if not prompt_set.ids:
         raise ValueError(f"no usable prompts in {prompts.path} ({prompt_set.skipped_too_long} longer than the budget)")
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
-    store = Path(out_dir) / run_key(
-        model=source_fingerprint(model), tokenizer=tokenizer_fp, trajectory=asdict(trajectory)
-    )
+    # How forwards run (compile) changes no token: stores made either way are the same store.
+    settings = {k: v for k, v in asdict(trajectory).items() if k != "compile"}
+    store = Path(out_dir) / run_key(model=source_fingerprint(model), tokenizer=tokenizer_fp, trajectory=settings)
     keys = prompt_set.keys()
     # a shard whose file is gone or damaged is forgotten, so its prompts count as new
     held = {key: name for name, record in drop_unverified(store).items() for key in record.keys}

@@ -1,12 +1,13 @@
-"""The compiled decode forward: torch.compile (inductor) with frozen weights, one per model per process.
+"""Fixed-shape decode forwards: compiled with torch.compile (inductor), or replayed from CUDA graphs.
 
-Freezing folds the weights into the graph as constants, so inductor can prepack them for its matrix kernels:
-on a CPU that is what keeps a forward over q positions close to one over a single position (batch-1 decoding
-is memory-bound; eager kernels repack the weights every call). Compiled code is specialised to shapes, so the
-slot batch pads queries to powers of two and reads the cache in whole granules (jfcore/decoding/slots.py): a
-decode meets a handful of shapes, each compiled once (`bench/compile_curve.py` measures both).
+Both need shapes that repeat, so the slot batch pads queries to powers of two and reads the cache in whole
+granules (jfcore/decoding/slots.py, `SlotCache.fixed_shape`); the first forward, the prefill, stays eager.
 
-Frozen weights are constants: a model whose weights change after compiling (training) needs a fresh compile.
+Inductor with frozen weights folds the weights into the graph as constants, so it can prepack them for its matrix
+kernels: on a CPU that is what keeps a forward over q positions close to one over a single position (batch-1
+decoding is memory-bound; eager kernels repack the weights every call). Each new shape compiles once per process
+(`bench/compile_curve.py` measures both). Frozen weights are constants: a model whose weights change after
+compiling (training) needs a fresh compile. CUDA graphs: jfcore/decoding/graphs.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from jfcore.decoding.graphs import graph_forward
+from jfcore.decoding.kv_cache import SlotCache
+from jfcore.decoding.slots import FixedForward
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -27,3 +32,28 @@ def compiled_forward(model: torch.nn.Module) -> torch.nn.Module:
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
         _COMPILED[model] = torch.compile(model, dynamic=False, options={"freezing": True})
     return _COMPILED[model]
+
+
+class InductorForward:
+    """Decode forwards through `compiled_forward(model)`, at the shapes the slot batch pads to."""
+
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module | None = None):
+        """`module`: what runs the forwards (default: `model` compiled; the tests pass the eager model)."""
+        self.module = compiled_forward(model) if module is None else module
+
+    def __call__(self, cache: SlotCache, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens, mask = inputs["input_ids"], inputs["attention_mask"]
+        write_at = torch.empty(tokens.shape[1], dtype=torch.long, device=tokens.device)
+        with cache.fixed_shape(tokens.shape[1], mask.shape[-1], tokens.shape[0], write_at):
+            return self.module(**inputs, past_key_values=cache, use_cache=True).logits
+
+
+def fixed_forward(model: torch.nn.Module, compile: str) -> FixedForward | None:
+    """What runs `model`'s decode forwards for a `DecodeConfig.compile` setting (None: eager)."""
+    if compile == "auto":
+        compile = "cuda_graphs" if next(model.parameters()).device.type == "cuda" else "off"
+    if compile == "inductor":
+        return InductorForward(model)
+    if compile == "cuda_graphs":
+        return graph_forward(model)
+    return None

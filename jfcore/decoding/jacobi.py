@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jfcore.decoding.batch_rows import PlainRows
-from jfcore.decoding.compiled import compiled_forward
+from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
@@ -90,7 +90,7 @@ class JacobiDecoder:
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
         self.on_step = on_step
-        self.compiled = compiled_forward(model) if config.compile == "inductor" else None
+        self.fixed_forward = fixed_forward(model, config.compile)
         # One block, no candidates: from this many rows on, a decode runs them as batch tensors
         # (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor ops on a CPU host; below it,
         # the row-by-row rules cost less (bench/step_overhead.py: about even at 8 rows). None: never.
@@ -355,7 +355,7 @@ class LiveBatch:
         limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
         new = [d.new_row(self._admitted + i, list(map(int, p)), m) for i, (p, m) in enumerate(zip(prompts, limits))]
         self._admitted += len(new)
-        slots = SlotBatch(d.model, len(new), compiled=d.compiled)
+        slots = SlotBatch(d.model, len(new), fixed_forward=d.fixed_forward)
         tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
@@ -387,6 +387,7 @@ class LiveBatch:
         self.steps += 1
         return self.remove([row for row in self.rows if row.finished])
 
+    @torch.inference_mode()  # the cache's storage is written in place (an inference tensor)
     def remove(self, leaving: list[Row]) -> list[Row]:
         """Take rows out of the batch (finished, or cancelled by their caller)."""
         gone = {id(row) for row in leaving}

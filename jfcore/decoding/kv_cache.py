@@ -8,7 +8,9 @@ squeezing holes out gathers in place, and storage grows by doubling, so the copi
 
 For a compiled forward the shapes must repeat and nothing the graph reads may change every step: `fixed_shape`
 makes every layer write its slots at a position tensor (not the Python length) and return a view of a fixed
-number of slots (a bucket); the caller masks the slots past the length.
+number of slots (a bucket); the caller masks the slots past the length. A CUDA graph also bakes in addresses, so
+storage keeps its rows when rows leave (the survivors move to the front, in place) and has room for a batch
+padded to a bucket; `storage_key` changes whenever any storage is reallocated, which retires graphs captured on it.
 
 It goes through the public cache interface only: a `DynamicCache` whose full-attention layers are `SlotLayer`s
 (a `DynamicLayer` subclass); other layer kinds (sliding window, ...) keep transformers' own classes.
@@ -17,12 +19,14 @@ It goes through the public cache interface only: a `DynamicCache` whose full-att
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 GRANULE = 256  # slots: storage grows in whole multiples of this
+_ALLOCATIONS = itertools.count()  # storage ids, never reused (an address can be)
 
 
 def granules(slots: int) -> int:
@@ -35,31 +39,33 @@ class SlotLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._k: torch.Tensor | None = None
+        self._k: torch.Tensor | None = None  # [row capacity, heads, slot capacity, head_dim]
         self._v: torch.Tensor | None = None
+        self.storage_id = -1
+        self.rows = 0  # rows in use: the first `rows` of storage
         self.length = 0
         self.write_at: torch.Tensor | None = None  # fixed-shape mode: slot indices of the next write
         self.view_slots = 0  # fixed-shape mode: slots every read returns
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
-        self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
-        self.length = 0
+        self._allocate(key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3])))
+        self.rows, self.length = key_states.shape[0], 0
         self.is_initialized = True
         self._views()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        rows = key_states.shape[0]  # the rows in use, or (fixed shape) a bucket of them
         if self.write_at is not None:
-            self._k.index_copy_(2, self.write_at, key_states)
-            self._v.index_copy_(2, self.write_at, value_states)
-            return self._k[:, :, : self.view_slots], self._v[:, :, : self.view_slots]
+            self._k[:rows].index_copy_(2, self.write_at, key_states)
+            self._v[:rows].index_copy_(2, self.write_at, value_states)
+            return self._k[:rows, :, : self.view_slots], self._v[:rows, :, : self.view_slots]
         end = self.length + key_states.shape[-2]
         self.reserve(end)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
+        self._k[:rows, :, self.length : end] = key_states
+        self._v[:rows, :, self.length : end] = value_states
         self.length = end
         self._views()
         return self.keys, self.values
@@ -69,7 +75,7 @@ class SlotLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._k = self._v = None
-        self.length = 0
+        self.rows = self.length = 0
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -90,35 +96,61 @@ class SlotLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx.to(self.device))
 
-    def reserve(self, slots: int) -> None:
-        """Room for `slots` slots, growing storage to at least double (one copy of the used part)."""
-        if slots <= self._k.shape[2]:
+    def reserve(self, slots: int, rows: int = 0) -> None:
+        """Room for `slots` slots (and `rows` rows), growing storage to at least double (one copy of the used part)."""
+        old_rows, _, old_slots, _ = self._k.shape
+        if slots <= old_slots and rows <= old_rows:
             return
-        capacity = granules(max(slots, 2 * self._k.shape[2]))
-        for name in ("_k", "_v"):
-            old = getattr(self, name)
-            # Zeros, not garbage: a fixed-shape read covers slots never written, and a NaN there would poison
-            # attention even under the mask (NaN + -inf is NaN).
-            new = old.new_zeros((*old.shape[:2], capacity, old.shape[3]))
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        capacity = granules(max(slots, 2 * old_slots)) if slots > old_slots else old_slots
+        # Zeros, not garbage: a fixed-shape read covers slots never written, and a NaN there would poison
+        # attention even under the mask (NaN + -inf is NaN).
+        new = self._k.new_zeros((max(rows, old_rows), self._k.shape[1], capacity, self._k.shape[3]))
+        new_v = new.clone()
+        new[:old_rows, :, : self.length] = self._k[:, :, : self.length]
+        new_v[:old_rows, :, : self.length] = self._v[:, :, : self.length]
+        self._allocate(new, new_v)
 
     def set_slots(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the used slots with `keys`/`values` [batch, heads, slots, head_dim] (new storage if the
-        batch size changed, else written in place)."""
-        if keys.shape[0] != self._k.shape[0]:
-            self._k = keys.new_zeros((*keys.shape[:2], max(keys.shape[2], GRANULE), keys.shape[3]))
-            self._v = values.new_zeros(self._k.shape)
+        """Make `keys`/`values` [rows, heads, slots, head_dim] the used slots, written into the front of the
+        storage in place (new storage only for more rows or slots than it holds)."""
+        rows, slots = keys.shape[0], keys.shape[2]
+        if rows > self._k.shape[0]:  # room for a power of two of rows: joins rarely reallocate
+            self._allocate(
+                keys.new_zeros((1 << (rows - 1).bit_length(), keys.shape[1], granules(slots), keys.shape[3]))
+            )
         self.length = 0
-        self.reserve(keys.shape[2])
-        self._k[:, :, : keys.shape[2]] = keys
-        self._v[:, :, : values.shape[2]] = values
-        self.length = keys.shape[2]
+        self.reserve(slots)
+        self._k[:rows, :, :slots] = keys
+        self._v[:rows, :, :slots] = values
+        self.rows, self.length = rows, slots
         self._views()
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, storage_id: int) -> None:
+        """Move the used slots into `keys`/`values` (storage with room for them, no longer used by anyone else)
+        and keep them as this layer's storage."""
+        keys[: self.rows, :, : self.length] = self._k[: self.rows, :, : self.length]
+        values[: self.rows, :, : self.length] = self._v[: self.rows, :, : self.length]
+        self._k, self._v, self.storage_id = keys, values, storage_id
+        self._views()
+
+    def fits(self, keys: torch.Tensor) -> bool:
+        """Whether storage like `keys` can hold this layer's used slots."""
+        rows, heads, slots, dim = keys.shape
+        same = (heads, dim, keys.dtype, keys.device) == (
+            self._k.shape[1],
+            self._k.shape[3],
+            self._k.dtype,
+            self._k.device,
+        )
+        return same and rows >= self.rows and slots >= self.length
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        self._k, self._v = keys, (torch.zeros_like(keys) if values is None else values)
+        self.storage_id = next(_ALLOCATIONS)
+
     def _views(self) -> None:
-        self.keys = self._k[:, :, : self.length]
-        self.values = self._v[:, :, : self.length]
+        self.keys = self._k[: self.rows, :, : self.length]
+        self.values = self._v[: self.rows, :, : self.length]
 
 
 class SlotCache(DynamicCache):
@@ -132,13 +164,14 @@ class SlotCache(DynamicCache):
             self.layer_class_to_replicate = SlotLayer
 
     @contextlib.contextmanager
-    def fixed_shape(self, new_slots: int, view_slots: int, device: torch.device):
-        """Inside: every layer writes the next `new_slots` slots at a position tensor and reads `view_slots` slots
-        (storage reserved for them); after: the lengths count the new slots."""
+    def fixed_shape(self, new_slots: int, view_slots: int, rows: int, write_at: torch.Tensor):
+        """Inside: every layer writes the next `new_slots` slots at `write_at` (filled here; a device tensor of
+        `new_slots` entries) and reads `view_slots` slots of `rows` rows (storage reserved for them); after: the
+        lengths count the new slots."""
         start = self.layers[0].length
-        write_at = torch.arange(start, start + new_slots, device=device)
+        write_at.copy_(torch.arange(start, start + new_slots), non_blocking=True)
         for layer in self.layers:
-            layer.reserve(view_slots)
+            layer.reserve(view_slots, rows)
             layer.write_at, layer.view_slots = write_at, view_slots
         try:
             yield
@@ -147,6 +180,23 @@ class SlotCache(DynamicCache):
                 layer.write_at = None
                 layer.length = start + new_slots
                 layer._views()
+
+    def storage(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Every layer's storage (keys, values, id)."""
+        return [(layer._k, layer._v, layer.storage_id) for layer in self.layers]
+
+    def adopt(self, storage: list[tuple[torch.Tensor, torch.Tensor, int]]) -> bool:
+        """Move into `storage` (another cache's, which is gone) if it fits every layer; True if it did."""
+        if len(storage) != len(self.layers) or not all(l.fits(k) for l, (k, _, _) in zip(self.layers, storage)):
+            return False
+        for layer, (keys, values, storage_id) in zip(self.layers, storage):
+            layer.adopt(keys, values, storage_id)
+        return True
+
+    @property
+    def storage_key(self) -> tuple[int, ...]:
+        """Identifies every layer's storage: it changes whenever any layer reallocates."""
+        return tuple(layer.storage_id for layer in self.layers)
 
     @property
     def in_place(self) -> bool:

@@ -26,6 +26,8 @@ import torch
 
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
 
+FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
+
 
 class SlotBatch:
     def __init__(
@@ -33,13 +35,13 @@ class SlotBatch:
         model: torch.nn.Module,
         batch_size: int,
         compact: bool = True,
-        compiled: torch.nn.Module | None = None,
+        fixed_forward: FixedForward | None = None,
     ):
-        """`compiled`: a compiled `model` for decode forwards, which then run at fixed shapes: the query width
-        padded to a power of two and the cache read in whole granules (the first forward, the prefill, stays
-        eager: prompts have any length)."""
+        """`fixed_forward`: runs decode forwards at fixed shapes (compiled, or CUDA graphs:
+        jfcore/decoding/compiled.py): the query width padded to a power of two and the cache read in whole
+        granules (the first forward, the prefill, stays eager: prompts have any length)."""
         self.model = model
-        self.compiled = compiled
+        self.fixed_forward = fixed_forward
         self.device = next(model.parameters()).device
         self.compact = compact
         self.cache = SlotCache(model.config)
@@ -85,7 +87,7 @@ class SlotBatch:
         `keep` decides which of them are committed.
         """
         q = tokens.shape[1]
-        fixed = self.compiled is not None and self.num_slots > 0 and self.cache.in_place
+        fixed = self.fixed_forward is not None and self.num_slots > 0 and self.cache.in_place
         if fixed:  # pad the queries to a power of two: padding slots are never kept, and `keep` crops them
             width = 1 << (q - 1).bit_length()
             tokens, query_valid, positions = (_pad(t, width) for t in (tokens, query_valid, positions))
@@ -100,15 +102,12 @@ class SlotBatch:
             "input_ids": tokens.to(self.device, non_blocking=True),
             "attention_mask": mask,
             "position_ids": positions.to(self.device, non_blocking=True),
-            "past_key_values": self.cache,
-            "use_cache": True,
         }
         start = time.perf_counter()
         if fixed:
-            with self.cache.fixed_shape(tokens.shape[1], mask.shape[-1], self.device):
-                logits = self.compiled(**inputs).logits[:, :q]
+            logits = self.fixed_forward(self.cache, inputs)[:, :q]
         else:
-            logits = self.model(**inputs, **model_kwargs).logits
+            logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, **model_kwargs).logits
         self._sync()
         self.forward_seconds += time.perf_counter() - start
         self._valid[:, self._new : self.num_slots] = False

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jfcore.decoding.compiled import fixed_forward
+from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.slots import SlotBatch, device_sync
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48)
@@ -71,12 +73,14 @@ def measure_curve(
     context: int = 256,
     rounds: int = 5,
     seed: int = 0,
+    compile: str = DecodeConfig.compile,
 ) -> CostCurve:
-    """Median time of one forward of `batch_size` rows x q new positions on a `context`-token cache, for each q."""
+    """Median time of one forward of `batch_size` rows x q new positions on a `context`-token cache, for each q,
+    run the way decoding with `compile` runs it."""
     widths = tuple(sorted(set(widths) | {1}))
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(seed)
-    slots = SlotBatch(model, batch_size, compact=False)
+    slots = SlotBatch(model, batch_size, compact=False, fixed_forward=fixed_forward(model, compile))
     prompt = torch.randint(0, vocab, (batch_size, context), generator=generator)
     valid = torch.ones(batch_size, context, dtype=torch.bool)
     slots.forward(prompt, valid, torch.arange(context).expand(batch_size, -1), logits_to_keep=1)

@@ -8,7 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, StepEvent
+from jfcore.decoding.compiled import InductorForward
+from jfcore.decoding.graphs import GraphForward
 from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
@@ -119,11 +122,14 @@ def test_in_place_cache_equals_the_dynamic_cache_through_growth_crop_and_row_sel
         torch.testing.assert_close(a.values, b.values)
 
 
+@pytest.mark.parametrize("fixed", ["padded widths", "graph buffers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-def test_fixed_shape_forwards_are_exact(arch):
-    """The compiled path's mechanics (queries padded to a power of two, the cache read in whole granules through
-    a position tensor, 4D masks, padding slots cropped), run with the eager model in place of the compiled one:
-    every method still gives `generate`'s tokens, and prompts long enough to cross a granule do too."""
+def test_fixed_shape_forwards_are_exact(arch, fixed):
+    """The fixed-shape path's mechanics, run eagerly: queries padded to a power of two, the cache read in whole
+    granules through a position tensor, 4D masks, padding slots cropped; and for CUDA graphs (`capture=False`: the
+    forward runs on the static buffers instead of replaying) rows padded to a bucket, inputs copied into static
+    buffers, rows leaving and the cache growing under the graphs. Every method still gives `generate`'s tokens,
+    and prompts long enough to cross a granule do too."""
     m = tiny_model(arch)
     rng = random.Random(arch)
     configs = [
@@ -134,15 +140,64 @@ def test_fixed_shape_forwards_are_exact(arch):
     ]
     widths: list[int] = []
     for config in configs:
-        prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, GRANULE - 10)]
+        prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, GRANULE - 10, 7)]
+        budgets = [20, 12, 5]  # rows leave at different steps: the padded batch shrinks 4 -> 2 -> 1
         decoder = JacobiDecoder(m, config, [], 0)
-        decoder.compiled = m
+        decoder.fixed_forward = InductorForward(m, module=m) if fixed == "padded widths" else GraphForward(m, False)
         if decoder.batch_tensors_from is not None:
             decoder.batch_tensors_from = 1  # the batch-tensor rows on the fixed path too
         decoder.on_step = lambda event: widths.append(max(event.widths))
-        out = decoder.decode(prompts)
-        assert out.sequences == [greedy_reference(m, p, 20) for p in prompts], config.describe()
+        live = LiveBatch(decoder, batch_tensors=decoder.batch_tensors_from is not None)
+        rows = live.add(prompts, budgets)
+        live.step()
+        live.step()
+        prompts, budgets = prompts + [[9, 4, 4, 1]], budgets + [9]
+        rows += live.add(prompts[-1:], budgets[-1:])  # a row joins: the batch's storage grows under the graphs
+        while live.rows:
+            live.step()
+        out = [row.out for row in rows]
+        assert out == [greedy_reference(m, p, n) for p, n in zip(prompts, budgets)], config.describe()
     assert any(w & (w - 1) for w in widths)  # some forwards really were padded (a width not a power of two)
+
+
+def test_a_new_decode_moves_into_the_graphs_storage_only_once_the_old_cache_is_gone():
+    """One CUDA-graph runner serves every decode of a model: a decode that starts after the last one ended moves
+    its cache into the storage the graphs were captured on (so they stay valid), while a decode that starts beside
+    a live one keeps its own storage. Both give `generate`'s tokens (`capture=False`: run on the static buffers)."""
+    m = tiny_model("llama")
+    runner = GraphForward(m, capture=False)
+    config = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=12)
+    prompts = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2]]
+
+    def start(prompt):
+        decoder = JacobiDecoder(m, config, [], 0)
+        decoder.fixed_forward = runner
+        live = LiveBatch(decoder, batch_tensors=False)
+        return live, live.add([prompt])[0]
+
+    live, row = start(prompts[0])
+    while live.rows:
+        live.step()
+    first_storage = runner.storage
+    del live  # the first decode's cache is gone: the next decode adopts its storage
+    later, later_row = start(prompts[1])
+    later.step()
+    assert (runner.adoptions, runner.storage) == (1, first_storage)
+    beside, beside_row = start(prompts[2])  # `later` is alive: its storage is not for taking
+    beside.step()
+    assert (runner.adoptions, runner.storage != first_storage) == (1, True)
+    while later.rows or beside.rows:  # taking turns, each retires the other's graphs (and adopts once it is gone)
+        for batch in (later, beside):
+            if batch.rows:
+                batch.step()
+    for r, prompt in ((row, prompts[0]), (later_row, prompts[1]), (beside_row, prompts[2])):
+        assert r.out == greedy_reference(m, prompt, 12)
+
+
+def test_cuda_graphs_on_a_cpu_model_say_what_to_use_instead():
+    config = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=4, compile="cuda_graphs")
+    with pytest.raises(ConfigError, match="needs the model on a CUDA device, and it is on cpu: use compile='inductor'"):
+        JacobiDecoder(tiny_model("llama"), config, [], 0)
 
 
 def test_inductor_compiled_decoding_is_greedy():
