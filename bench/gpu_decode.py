@@ -151,7 +151,8 @@ def check_tiny() -> dict:
     sys.path.insert(0, str(TREE))
     from jfcore.decoding import DecodeConfig
     from jfcore.decoding.graphs import graph_forward
-    from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch
+    from jfcore.decoding.jacobi import JacobiDecoder
+    from jfcore.decoding.scheduler import LiveBatch
     from tests.support.tiny_models import greedy_reference, tiny_model
 
     checked, failures, captures = 0, [], 0

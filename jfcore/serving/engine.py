@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from jfcore.decoding import DecodeConfig, special_tokens
-from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch, Row
+from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.rows import Row
+from jfcore.decoding.scheduler import LiveBatch
 from jfcore.serving.metrics import ServingMetrics
 
 

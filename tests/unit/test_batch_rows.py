@@ -12,8 +12,9 @@ from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, StepEvent
 from jfcore.decoding.compiled import InductorForward
 from jfcore.decoding.graphs import GraphForward
-from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch
+from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
+from jfcore.decoding.scheduler import LiveBatch
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
 
 

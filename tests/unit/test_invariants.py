@@ -142,7 +142,8 @@ def test_stats_are_consistent():
 def test_promoted_block_keeps_its_progress():
     """When acceptance runs past block 0 into block 1, block 1 is promoted with its verified
     tokens committed and the rest of its draft updated, not restarted from filler."""
-    from jfcore.decoding.jacobi import JacobiDecoder, Row
+    from jfcore.decoding.jacobi import JacobiDecoder
+    from jfcore.decoding.rows import Row
 
     config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100)
     decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
@@ -156,7 +157,8 @@ def test_promoted_block_keeps_its_progress():
 
 
 def test_pseudo_active_block_spawns_from_the_model_guess():
-    from jfcore.decoding.jacobi import JacobiDecoder, Row
+    from jfcore.decoding.jacobi import JacobiDecoder
+    from jfcore.decoding.rows import Row
 
     config = DecodeConfig(
         method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100, spawn_ratio=0.75

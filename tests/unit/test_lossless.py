@@ -130,7 +130,8 @@ def test_recycling_and_long_runs_are_exercised():
 def test_continuous_batching_matches_generate(arch, method, block_size, arrivals, cancel):
     """Prompts that join a running batch at any step, each with its own token budget, still get exactly their
     own greedy tokens; a row cancelled mid-flight leaves the others untouched."""
-    from jfcore.decoding.jacobi import JacobiDecoder, LiveBatch
+    from jfcore.decoding.jacobi import JacobiDecoder
+    from jfcore.decoding.scheduler import LiveBatch
 
     m = model(arch)
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=MAX_NEW, pool_size=2)

@@ -1,0 +1,103 @@
+"""The scheduler: which rows decode together (continuous batching), one forward per step.
+
+Prompts are admitted between forwards (a prefill of their own, then their cache slots join the batch's),
+finished and cancelled rows leave. What a step does to each row is the decoder's (jfcore/decoding/jacobi.py:
+row by row, or jfcore/decoding/batch_rows.py: as batch tensors); the forward itself is the slot batch's
+(jfcore/decoding/slots.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from jfcore.decoding.batch_rows import PlainRows
+from jfcore.decoding.rows import Row
+from jfcore.decoding.slots import SlotBatch, left_pad
+
+if TYPE_CHECKING:
+    from jfcore.decoding.jacobi import JacobiDecoder
+
+
+class LiveBatch:
+    """Rows that decode together, one forward per step (continuous batching).
+
+    Prompts join between forwards (`add`: a prefill of their own, then their cache slots are merged into the
+    batch's), finished and cancelled rows leave, and every row's tokens are its own greedy output whatever else
+    shares the batch: each row attends only to its own valid slots at its own positions.
+    """
+
+    def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False, batch_tensors: bool = True):
+        """`batch_tensors`: run plain rows (see `JacobiDecoder.batch_tensors_from`) as batch tensors. `sync_rows`:
+        then keep every row's `out` and `forwards` current after each step (a server streams them); otherwise
+        they get them when they finish."""
+        self.decoder = decoder
+        self.rows: list[Row] = []
+        self.slots: SlotBatch | None = None
+        use = batch_tensors and decoder.batch_tensors_from is not None
+        self.plain = PlainRows(decoder, sync_rows) if use else None
+        self.steps = 0  # decode forwards run
+        self.forward_seconds = 0.0  # time inside those forwards
+        self._admitted = 0
+
+    @property
+    def joinable(self) -> bool:
+        """Whether new rows can join now (always once the batch is empty; caches with special layers cannot merge)."""
+        return self.slots is None or self.slots.mergeable
+
+    @torch.inference_mode()
+    def add(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int | None] | None = None) -> list[Row]:
+        """Prefill `prompts` and let them join the batch. Returns their rows, some perhaps finished already
+        (a first token that is EOS, or a budget of one token)."""
+        d = self.decoder
+        limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
+        new = [d.new_row(self._admitted + i, list(map(int, p)), m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        self._admitted += len(new)
+        slots = SlotBatch(d.model, len(new), fixed_forward=d.fixed_forward)
+        tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
+        logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
+        slots.keep(valid)
+        d.vocab_size = logits.shape[-1]
+        for row, first in zip(new, logits[:, -1].max(-1).indices.tolist()):
+            d._carry_on(row, first, guess=first, progress=0)
+        staying = [i for i, row in enumerate(new) if not row.finished]
+        if staying:
+            if len(staying) < len(new):
+                slots.select_rows(staying)
+            if self.slots is None:
+                self.slots = slots
+            else:
+                self.slots.extend(slots)
+            self.rows += [new[i] for i in staying]
+            if self.plain is not None:
+                self.plain.add([new[i] for i in staying])
+        return new
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One forward for every row. Returns the rows that finished; they have left the batch."""
+        before = self.slots.forward_seconds
+        if self.plain is not None:
+            self.plain.step(self.slots)
+        else:
+            self.decoder._step(self.slots, self.rows, self.steps)
+        self.forward_seconds += self.slots.forward_seconds - before
+        self.steps += 1
+        return self.remove([row for row in self.rows if row.finished])
+
+    @torch.inference_mode()  # the cache's storage is written in place (an inference tensor)
+    def remove(self, leaving: list[Row]) -> list[Row]:
+        """Take rows out of the batch (finished, or cancelled by their caller)."""
+        gone = {id(row) for row in leaving}
+        keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        if len(keep) < len(self.rows):
+            if keep:
+                self.slots.select_rows(keep)
+            else:
+                self.slots = None
+            self.rows = [self.rows[i] for i in keep]
+            if self.plain is not None:
+                self.plain.select(keep)
+        return leaving
