@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
         "frozen weights; each new shape compiles once, tens of seconds on a CPU, inside the timings: pays on long "
         "runs only), off (eager); default auto: cuda_graphs on a GPU, off elsewhere",
     )
+    p.add_argument("--temperature", type=float, help="sample at this temperature (default 0: greedy)")
+    p.add_argument("--top-k", type=int, help="with --temperature: keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, help="with --temperature: keep the smallest set with this mass (1: off)")
+    p.add_argument("--seed", type=int, help="with --temperature: the sampling seed (same seed, same tokens)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate: identical tokens? speedup?")
     return p
 
@@ -106,7 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens,
             "compile": args.compile,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "sample_seed": args.seed,
         }
+        if args.compare and args.temperature:
+            raise ConfigError("--compare checks the tokens against HF greedy generate: leave out --temperature")
         checkpoint = resolve_checkpoint(model_config)
         config = decoding_for(
             checkpoint if Path(checkpoint).is_dir() else None,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jfcore.config import check
+from jfcore.decoding.sampling import Sampling
 
 COMPILE_MODES = ("auto", "off", "inductor", "cuda_graphs")
 
@@ -40,6 +41,13 @@ class DecodeConfig:
     # adding positions of its own; for blocks of 2 or more, where width costs more than a guess is worth.
     lookup_within: bool = False
     record_trajectories: bool = False
+    # Sampling (jfcore/decoding/sampling.py): temperature 0 is greedy. Otherwise temperature, then top-k (0: off), then
+    # top-p (1: off), and Gumbel noise keyed by (sample_seed, sample index, position): every method returns the
+    # tokens sequential sampling with the same seed returns.
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    sample_seed: int = 0
     # Decode forwards at fixed shapes (docs/DESIGN.md, section 1): "cuda_graphs" (a CUDA model only) replays one
     # CUDA graph per shape bucket (jfcore/decoding/graphs.py), captured in milliseconds; "inductor" runs a model
     # compiled with torch.compile (frozen weights; jfcore/decoding/compiled.py), each new shape compiled once per
@@ -67,6 +75,11 @@ class DecodeConfig:
             self.compile in COMPILE_MODES,
             f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {self.compile!r}",
         )
+        Sampling(self.temperature, self.top_k, self.top_p, self.sample_seed)  # checks the sampling settings
+        check(
+            not (self.record_trajectories and self.temperature > 0),
+            "record_trajectories needs temperature 0: trajectories are greedy fixed points",
+        )
         check(
             not (self.record_trajectories and (self.method != "jacobi" or self.lookup_tokens)),
             "record_trajectories needs method 'jacobi' without prompt lookup: trajectories are the states of one "
@@ -83,7 +96,15 @@ class DecodeConfig:
         else:
             text = f"multiblock n{self.block_size} K{self.num_blocks} p{self.pool_size}"
         where = "in" if self.lookup_within else "+"
-        return text + (f"{where}L{self.lookup_tokens}g{self.lookup_ngram}" if self.lookup_tokens else "")
+        text += f"{where}L{self.lookup_tokens}g{self.lookup_ngram}" if self.lookup_tokens else ""
+        if self.temperature > 0:  # sampled: T0.7, then k50 and p0.9 when set
+            text += f" T{self.temperature:g}" + (f" k{self.top_k}" if self.top_k else "")
+            text += f" p{self.top_p:g}" if self.top_p < 1 else ""
+        return text
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, self.sample_seed)
 
     @property
     def blocks_in_flight(self) -> int:

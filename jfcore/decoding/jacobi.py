@@ -41,6 +41,7 @@ from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
 from jfcore.decoding.rows import Candidates, Row, refill
+from jfcore.decoding.sampling import Sampling, choose
 from jfcore.decoding.scheduler import LiveBatch
 from jfcore.decoding.slots import SlotBatch
 
@@ -73,13 +74,30 @@ class JacobiDecoder:
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
 
-    def new_row(self, index: int, prompt: list[int], max_new_tokens: int | None = None) -> Row:
+    def new_row(
+        self,
+        index: int,
+        prompt: list[int],
+        max_new_tokens: int | None = None,
+        sampling: tuple[Sampling, int] | None = None,
+    ) -> Row:
         """A row for `prompt`. Its filler generator is seeded by the seed and the prompt, so a prompt's drafts
-        (and its recorded trajectory) do not depend on which prompts share its batch."""
+        (and its recorded trajectory) do not depend on which prompts share its batch. `sampling`: its own settings
+        and sample index (default: the config's settings, sample index `index`)."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         limit = max_new_tokens or self.config.max_new_tokens
-        row = Row(index, list(prompt), max_new_tokens=limit, rng=random.Random(f"{self.config.seed}:{list(prompt)}"))
+        settings, sample = sampling or (self.config.sampling, index)
+        if self.record and not settings.greedy:
+            raise ValueError("recorded trajectories are greedy fixed points: a sampled row cannot be recorded")
+        row = Row(
+            index,
+            list(prompt),
+            max_new_tokens=limit,
+            rng=random.Random(f"{self.config.seed}:{list(prompt)}"),
+            sampling=settings,
+            sample=sample,
+        )
         if self.config.recycling:
             row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
         if self.config.lookup_tokens:
@@ -118,13 +136,15 @@ class JacobiDecoder:
         # cost more than the rest of the step's host work together.
         layouts = [self._layout(row) for row in rows]
         width = max(len(inputs) for inputs, _, _ in layouts)
-        tokens, positions, valid = [], [], []
+        tokens, positions, valid, generated = [], [], [], []
         for row, (inputs, offsets, _) in zip(rows, layouts):
             base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
             missing = width - len(inputs)
             tokens.append(inputs + [self.pad] * missing)
             positions.append([base + o for o in offsets] + [0] * missing)
             valid.append([True] * len(inputs) + [False] * missing)
+            # What each query predicts: the token after it, whose generated position counts from draft[0]'s.
+            generated.append([len(row.out) + o + 1 for o in offsets] + [0] * missing)
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
         tree = (
@@ -133,7 +153,7 @@ class JacobiDecoder:
             else None
         )
         logits = batch.forward(torch.tensor(tokens), torch.tensor(valid), torch.tensor(positions), tree)
-        predictions = logits.max(-1).indices.tolist()  # one host sync per forward; max: argmax, faster on CPU
+        predictions = self.choose(logits, rows, torch.tensor(generated)).tolist()  # one host sync per forward
         keep, accepted = [], []
         for row, pred, (_, _, cands) in zip(rows, predictions, layouts):
             slots = self._verify(row, pred, cands)
@@ -145,6 +165,11 @@ class JacobiDecoder:
             widths = [len(inputs) for inputs, _, _ in layouts]
             lengths = batch.lengths().tolist()
             self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, lengths, widths))
+
+    def choose(self, logits: torch.Tensor, rows: list[Row], generated: torch.Tensor) -> torch.Tensor:
+        """[B, Q] host tensor of each row's choice at each query (greedy, or sampled: jfcore/decoding/sampling.py);
+        `generated` [B, Q]: the generated position of the token each query predicts."""
+        return choose(logits, [r.sampling for r in rows], [r.sample for r in rows], generated)
 
     def _layout(self, row: Row) -> tuple[list[int], list[int], Candidates]:
         """The row's forward input: its draft, then recycled and prompt-lookup candidates; and their position

@@ -25,13 +25,19 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-GRANULE = 256  # slots: storage grows in whole multiples of this
+GRANULE = 256  # slots: fixed-shape reads, and storage past one granule, come in whole multiples of this
 _ALLOCATIONS = itertools.count()  # storage ids, never reused (an address can be)
 
 
 def granules(slots: int) -> int:
     """`slots` rounded up to whole granules."""
     return -(-slots // GRANULE) * GRANULE
+
+
+def capacity_for(slots: int) -> int:
+    """Storage slots to allocate for `slots`: a power of two from 16 up to a granule, whole granules above (short
+    decodes of many rows do not zero a granule per row; fixed-shape reads reserve whole granules anyway)."""
+    return granules(slots) if slots > GRANULE else max(16, 1 << (slots - 1).bit_length())
 
 
 class SlotLayer(DynamicLayer):
@@ -101,11 +107,11 @@ class SlotLayer(DynamicLayer):
         old_rows, _, old_slots, _ = self._k.shape
         if slots <= old_slots and rows <= old_rows:
             return
-        capacity = granules(max(slots, 2 * old_slots)) if slots > old_slots else old_slots
+        capacity = capacity_for(max(slots, 2 * old_slots)) if slots > old_slots else old_slots
         # Zeros, not garbage: a fixed-shape read covers slots never written, and a NaN there would poison
         # attention even under the mask (NaN + -inf is NaN).
         new = self._k.new_zeros((max(rows, old_rows), self._k.shape[1], capacity, self._k.shape[3]))
-        new_v = new.clone()
+        new_v = torch.zeros_like(new)
         new[:old_rows, :, : self.length] = self._k[:, :, : self.length]
         new_v[:old_rows, :, : self.length] = self._v[:, :, : self.length]
         self._allocate(new, new_v)
@@ -116,7 +122,7 @@ class SlotLayer(DynamicLayer):
         rows, slots = keys.shape[0], keys.shape[2]
         if rows > self._k.shape[0]:  # room for a power of two of rows: joins rarely reallocate
             self._allocate(
-                keys.new_zeros((1 << (rows - 1).bit_length(), keys.shape[1], granules(slots), keys.shape[3]))
+                keys.new_zeros((1 << (rows - 1).bit_length(), keys.shape[1], capacity_for(slots), keys.shape[3]))
             )
         self.length = 0
         self.reserve(slots)

@@ -1,7 +1,7 @@
-"""HF `generate` as the reference every decoder is compared with.
+"""The references every decoder is compared with: HF `generate` (greedy), and sequential sampling.
 
 Each of the project's decoders must return exactly these tokens in float32;
-evaluation and benchmarks measure speedups against them.
+evaluation and benchmarks measure speedups against `generate`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from jfcore.decoding.sampling import Sampling, choose
 from jfcore.decoding.slots import left_pad
 
 
@@ -24,7 +25,8 @@ def hf_generate(
     """Greedy HF `generate` on token-id prompts (left-padded into one batch).
 
     Returns the new tokens per prompt, cut after the first EOS like `decode`'s output.
-    Extra keyword arguments go to `generate` (e.g. `prompt_lookup_num_tokens=10`).
+    Extra keyword arguments go to `generate` (e.g. `prompt_lookup_num_tokens=10`, or `do_sample=True` with a
+    temperature for HF's own sampling).
     """
     device = next(model.parameters()).device
     ids, mask, _ = left_pad(prompts, pad_token_id)
@@ -33,12 +35,10 @@ def hf_generate(
         out = model.generate(
             ids.to(device),
             attention_mask=mask.long().to(device),
-            do_sample=False,
-            num_beams=1,
             max_new_tokens=max_new_tokens,
             eos_token_id=list(eos_token_ids),
             pad_token_id=pad_token_id,
-            **generate_kwargs,
+            **{"do_sample": False, "num_beams": 1, **generate_kwargs},
         )
     return [cut_at_eos(row[:max_new_tokens], eos_token_ids) for row in out[:, width:].tolist()]
 
@@ -52,3 +52,24 @@ def cut_at_eos(tokens: list[int], eos_token_ids: Sequence[int]) -> list[int]:
 def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
     """Index of the first token that differs from the reference (the length when they are equal)."""
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+@torch.inference_mode()
+def sample_sequentially(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    sample: int = 0,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """Token-by-token sampling with the same keyed noise, one full forward (no cache) per token: the definition
+    every method's sampled output must equal."""
+    device = next(model.parameters()).device
+    tokens: list[int] = []
+    for t in range(max_new_tokens):
+        logits = model(torch.tensor([[*prompt, *tokens]], device=device)).logits[:, -1:]
+        tokens.append(int(choose(logits, [sampling], [sample], torch.tensor([[t]]))[0, 0]))
+        if tokens[-1] in eos_token_ids:
+            break
+    return tokens

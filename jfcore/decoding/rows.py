@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory
+from jfcore.decoding.sampling import GREEDY, Sampling
 
 Candidates = list[tuple[int, tuple[int, ...]]]  # (first slot, continuation tokens)
 
@@ -31,6 +32,8 @@ class Row:
     lookup: PromptLookup | None = None
     copied: tuple[int, ...] = ()  # the prompt-lookup candidate of the forward in progress
     rng: random.Random | None = None  # filler draws, seeded per prompt
+    sampling: Sampling = GREEDY  # how its tokens are chosen
+    sample: int = 0  # its sample index: a key of its sampling noise (jfcore/decoding/sampling.py)
     states: list[list[int]] = field(default_factory=list)  # block 0's states, when recording
     trajectories: list[BlockTrajectory] = field(default_factory=list)
 

@@ -15,6 +15,7 @@ import torch
 
 from jfcore.decoding.batch_rows import PlainRows
 from jfcore.decoding.rows import Row
+from jfcore.decoding.sampling import Sampling
 from jfcore.decoding.slots import SlotBatch, left_pad
 
 if TYPE_CHECKING:
@@ -48,19 +49,30 @@ class LiveBatch:
         return self.slots is None or self.slots.mergeable
 
     @torch.inference_mode()
-    def add(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int | None] | None = None) -> list[Row]:
+    def add(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int | None] | None = None,
+        sampling: Sequence[tuple[Sampling, int] | None] | None = None,
+    ) -> list[Row]:
         """Prefill `prompts` and let them join the batch. Returns their rows, some perhaps finished already
-        (a first token that is EOS, or a budget of one token)."""
+        (a first token that is EOS, or a budget of one token). `sampling`: per prompt, its own sampling settings
+        and sample index (default: the decoder's settings, and the row's admission number)."""
         d = self.decoder
         limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
-        new = [d.new_row(self._admitted + i, list(map(int, p)), m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        keys = list(sampling) if sampling is not None else [None] * len(prompts)
+        new = [
+            d.new_row(self._admitted + i, list(map(int, p)), m, k)
+            for i, (p, m, k) in enumerate(zip(prompts, limits, keys, strict=True))
+        ]
         self._admitted += len(new)
         slots = SlotBatch(d.model, len(new), fixed_forward=d.fixed_forward)
         tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
         d.vocab_size = logits.shape[-1]
-        for row, first in zip(new, logits[:, -1].max(-1).indices.tolist()):
+        first_tokens = d.choose(logits[:, -1:], new, torch.zeros(len(new), 1, dtype=torch.long))[:, 0].tolist()
+        for row, first in zip(new, first_tokens):
             d._carry_on(row, first, guess=first, progress=0)
         staying = [i for i, row in enumerate(new) if not row.finished]
         if staying:

@@ -4,7 +4,8 @@ Handlers on the server's event loop `submit` requests and get their text back th
 `deliver` callback (called on the engine thread: hand it to the loop with `call_soon_threadsafe`). Between two
 forwards the engine admits waiting requests (up to `max_batch_size` rows), drops cancelled ones, runs one
 forward for every row and sends each request the text its new tokens complete. Every committed token is the
-model's greedy token, so a response never depends on what else is in the batch (docs/SERVING.md).
+model's own choice for that row (greedy, or sampled with the row's own keyed noise), so a response never depends
+on what else is in the batch (docs/SERVING.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.rows import Row
+from jfcore.decoding.sampling import GREEDY, Sampling
 from jfcore.decoding.scheduler import LiveBatch
 from jfcore.serving.metrics import ServingMetrics
 
@@ -47,6 +49,7 @@ class Request:
     max_tokens: int
     deliver: Callable[[Event], None]
     stop: Sequence[str] = ()
+    sampling: tuple[Sampling, int] = (GREEDY, 0)  # its settings and sample index (one per choice)
     cancelled: bool = False  # set by the handler (client gone); the engine drops the row before its next forward
     submitted: float = field(default_factory=time.perf_counter)
     row: Row | None = None
@@ -176,7 +179,9 @@ class Engine:
     def _admit(self, joining: list[Request]) -> None:
         if not joining:
             return
-        rows = self.live.add([r.prompt for r in joining], [r.max_tokens for r in joining])
+        rows = self.live.add(
+            [r.prompt for r in joining], [r.max_tokens for r in joining], [r.sampling for r in joining]
+        )
         for request, row in zip(joining, rows):
             request.row = row
             self._serving.append(request)

@@ -1,12 +1,19 @@
-"""The OpenAI request bodies the server accepts, validated: unknown fields are errors, and every setting that
-would change the greedy output (sampling, several choices, penalties, log-probabilities) is refused with a
-message that says what is supported."""
+"""The OpenAI request bodies the server accepts, validated: unknown fields are errors, out-of-range values get a
+400 naming the field, and settings the server does not honour (penalties, logit bias, log-probabilities) are
+refused with a message that says what is supported. Sampling (temperature, top_p, top_k, seed, n) is honoured
+exactly: every method returns the tokens sequential sampling with the same seed returns
+(jfcore/decoding/sampling.py)."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from jfcore.decoding.sampling import GREEDY, Sampling
+
+MAX_CHOICES = 16  # n: choices per prompt
 
 
 class BadRequest(ValueError):
@@ -35,13 +42,14 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    # Accepted because they change nothing in greedy decoding, or only describe the caller.
-    top_p: float | None = None
+    user: str | None = None  # describes the caller only
+    # Sampling: temperature 0 or absent is greedy (this server's default), then top_p and top_k do nothing.
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not in OpenAI's API; vLLM's extension
     seed: int | None = None
-    user: str | None = None
-    # Refused unless they ask for plain greedy decoding (see `greedy_problem`).
-    temperature: float | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    # Refused unless they change nothing (see `unsupported`).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -55,22 +63,24 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def greedy_problem(self) -> BadRequest | None:
-        """Why this request asks for something other than the greedy output, if it does."""
-        if self.temperature not in (None, 0):
-            return BadRequest(
-                f"temperature={self.temperature} is not supported: this server decodes greedily (lossless Jacobi "
-                "decoding reproduces the greedy output); send temperature 0 or leave it out",
-                param="temperature",
-            )
-        if self.n not in (None, 1):
-            return BadRequest(f"n={self.n} is not supported: greedy decoding has one answer; send n=1", param="n")
+    def unsupported(self) -> BadRequest | None:
+        """Why the server cannot do what this request asks, if it cannot."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
-                return BadRequest(f"{name} is not supported: it would change the greedy output; send 0", param=name)
+                return BadRequest(f"{name} is not supported by this server; send 0 or leave it out", param=name)
         if self.logit_bias:
-            return BadRequest("logit_bias is not supported: it would change the greedy output", param="logit_bias")
+            return BadRequest("logit_bias is not supported by this server", param="logit_bias")
         return None
+
+    def choices(self) -> int:
+        return self.n or 1
+
+    def sampling(self) -> Sampling:
+        """The request's sampling settings; a sampled request without a seed gets a random one."""
+        if not self.temperature:
+            return GREEDY
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return Sampling(self.temperature, self.top_k or 0, self.top_p or 1.0, seed)
 
 
 class CompletionBody(_Body):
@@ -80,13 +90,13 @@ class CompletionBody(_Body):
     logprobs: int | None = None
     suffix: str | None = None
 
-    def greedy_problem(self) -> BadRequest | None:
+    def unsupported(self) -> BadRequest | None:
         if self.best_of not in (None, 1):
-            return BadRequest("best_of is not supported: greedy decoding has one answer", param="best_of")
+            return BadRequest("best_of is not supported by this server: send n for several choices", param="best_of")
         for name in ("echo", "logprobs", "suffix"):
             if getattr(self, name):
                 return BadRequest(f"{name} is not supported by this server", param=name)
-        return super().greedy_problem()
+        return super().unsupported()
 
 
 class TextPart(BaseModel):
@@ -110,10 +120,10 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
 
-    def greedy_problem(self) -> BadRequest | None:
+    def unsupported(self) -> BadRequest | None:
         if self.logprobs:
             return BadRequest("logprobs is not supported by this server", param="logprobs")
-        return super().greedy_problem()
+        return super().unsupported()
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -12,7 +12,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -44,21 +44,7 @@ def create_app(engine: Engine, tokenizer, served: ServedModel, api_key: str | No
     app = FastAPI(title="jf-serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable) -> Response:
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                error = BadRequest(
-                    "missing or wrong API key: send it as the header 'Authorization: Bearer <key>'",
-                    401,
-                    code="invalid_api_key",
-                )
-                return _error(error, metrics)
-        response = await call_next(request)
-        if response.status_code >= 400:
-            metrics.http_errors.labels(str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(BadRequest)
     async def refused(_: Request, error: BadRequest) -> JSONResponse:
@@ -108,6 +94,34 @@ def create_app(engine: Engine, tokenizer, served: ServedModel, api_key: str | No
     return app
 
 
+class _Guard:
+    """Checks the API key and counts error responses. A plain ASGI middleware: it passes `receive` through
+    untouched, so handlers see the client's `http.disconnect` as it happens (`@app.middleware("http")` wraps it)."""
+
+    def __init__(self, app, api_key: str | None, metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                error = BadRequest(
+                    "missing or wrong API key: send it as the header 'Authorization: Bearer <key>'",
+                    401,
+                    code="invalid_api_key",
+                )
+                return await _error(error, self.metrics)(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.http_errors.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def _error(error: BadRequest, metrics) -> JSONResponse:
     metrics.http_errors.labels(str(error.status)).inc()
     return JSONResponse(error.body(), status_code=error.status)
@@ -133,7 +147,7 @@ async def _parse(request: Request, schema: type, served: ServedModel):
             param="model",
             code="model_not_found",
         )
-    problem = body.greedy_problem()
+    problem = body.unsupported()
     if problem:
         raise problem
     return body
@@ -180,9 +194,18 @@ async def _complete(
     budgets = [_budget(served, len(p), asked) for p in prompts]
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    sampling, n = body.sampling(), body.choices()
+    # Choice i * n + k is prompt i's k-th sample: sample index k under the request's seed.
     requests = [
-        EngineRequest(p, b, (lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))), body.stops())
+        EngineRequest(
+            p,
+            b,
+            (lambda ev, c=i * n + k: loop.call_soon_threadsafe(events.put_nowait, (c, ev))),
+            body.stops(),
+            (sampling, k),
+        )
         for i, (p, b) in enumerate(zip(prompts, budgets))
+        for k in range(n)
     ]
     try:
         for r in requests:
@@ -195,19 +218,21 @@ async def _complete(
     if body.stream:
         stream = _stream(reply, requests, events, engine, body.include_usage())
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        texts, ends = [""] * len(prompts), [None] * len(prompts)
+        texts, ends = [""] * len(requests), [None] * len(requests)
         while None in ends:
-            try:
-                i, event = await asyncio.wait_for(events.get(), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)  # nobody is listening: the finally below frees the rows
-                continue
+            next_event = asyncio.ensure_future(events.get())
+            await asyncio.wait({next_event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not next_event.done():
+                next_event.cancel()
+                return Response(status_code=499)  # nobody is listening: the finally below frees the rows
+            i, event = next_event.result()
             texts[i] += event.text
             if event.finish_reason:
                 ends[i] = event
     finally:
+        gone.cancel()
         for r in requests:
             engine.cancel(r)
     failed = next((e for e in ends if e.finish_reason == "error"), None)
@@ -222,7 +247,8 @@ async def _stream(
     ends: list[Event | None] = [None] * len(requests)
     try:
         if reply.chat:
-            yield _sse(reply.chunk(0, {"role": "assistant", "content": ""}))
+            for i in range(len(requests)):
+                yield _sse(reply.chunk(i, {"role": "assistant", "content": ""}))
         while None in ends:
             i, event = await events.get()
             if event.finish_reason == "error":
@@ -239,6 +265,12 @@ async def _stream(
     finally:  # also when the client disconnects: its rows leave the batch before the next forward
         for r in requests:
             engine.cancel(r)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is read already: what `receive` gives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(payload: dict) -> str:

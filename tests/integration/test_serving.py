@@ -1,6 +1,7 @@
 """jf-serve as a real process, spoken to with the real `openai` client: every response equals the model's
-greedy `generate` output whatever shares the batch, streamed text equals the whole text, a client that goes
-away mid-stream frees its row, bad requests get OpenAI-shaped errors, and the API key is enforced."""
+greedy `generate` output whatever shares the batch, sampled responses equal sequential sampling with the same
+seed (n choices, one sample index each), streamed text equals the whole text, a client that goes away (streamed
+or not) frees its row within a second, bad requests get OpenAI-shaped errors, and the API key is enforced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import openai
 import pytest
 import torch
 
+from jfcore.decoding.reference import sample_sequentially
+from jfcore.decoding.sampling import Sampling
 from jfcore.models import ModelConfig, load_model
 from tasks.serve_process import jf_serve, prometheus_value
 from tests.support.tiny_models import TINY_CHAT_TEMPLATE, save_tiny_checkpoint
@@ -170,6 +173,57 @@ def test_client_that_disconnects_mid_stream_leaves_the_others_correct(server, ti
     assert ask(c, "completion", words(3), 10, stream=False)[0]  # and the server still serves
 
 
+def test_sampled_choices_equal_sequential_sampling_and_repeat_with_their_seed(server, tiny):
+    """temperature, top_p, top_k, seed and n through the openai client: each of the n choices is the prompt's
+    sequential sample with sample index = its choice index; the same seed gives the same choices again, another
+    seed other ones; streamed choices equal the whole ones."""
+    _, model, tokenizer = tiny
+    c = client(server)
+    messages = [{"role": "user", "content": words(5)}]
+    extra = {"top_k": 40}
+
+    def choices(seed: int, stream: bool = False) -> list[str]:
+        kwargs = {"model": NAME, "messages": messages, "max_tokens": 24, "temperature": 1.6, "top_p": 0.95}
+        kwargs |= {"seed": seed, "n": 3}
+        if not stream:
+            reply = c.chat.completions.create(**kwargs, extra_body=extra)
+            assert [ch.index for ch in reply.choices] == [0, 1, 2]
+            return [ch.message.content for ch in reply.choices]
+        texts = [""] * 3
+        for chunk in c.chat.completions.create(**kwargs, stream=True, extra_body=extra):
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+        return texts
+
+    first = choices(7)
+    ids = chat_ids(tokenizer, words(5))
+    settings = Sampling(temperature=1.6, top_k=40, top_p=0.95, seed=7)
+    for k, text in enumerate(first):
+        tokens = sample_sequentially(model, ids, 24, settings, k, [tokenizer.eos_token_id])
+        assert text == tokenizer.decode(tokens, skip_special_tokens=True), k
+    assert len(set(first)) > 1  # the choices are different samples
+    assert choices(7) == first and choices(7, stream=True) == first
+    assert choices(8) != first
+    greedy = greedy_text(model, tokenizer, ids, 24)[0]
+    reply = c.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, seed=3, top_p=0.5)
+    assert reply.choices[0].message.content == greedy  # temperature 0: top_p and seed change nothing
+
+
+def test_a_non_streamed_client_that_goes_away_frees_its_row_within_a_second(server):
+    """A non-streamed request whose client closes the connection mid-decode: its row leaves the batch within 1 s
+    of the close (the engine keeps decoding other rows in between)."""
+    cancelled_before = prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY)
+    body = {"model": NAME, "prompt": words(6), "max_tokens": 1900}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.0)
+    closed = time.time()
+    cancelled = lambda: prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY)
+    while cancelled() == cancelled_before or prometheus_value(server, "jf_batch_size", KEY) != 0:
+        assert time.time() - closed < 1.0, "the gone client's row was still in the batch a second after it left"
+        time.sleep(0.05)
+
+
 def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     request = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
@@ -188,8 +242,16 @@ def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
         ({"model": "gpt-4", "prompt": "w1"}, 404, "does not exist", "model_not_found"),
         ({"model": NAME, "prompt": words(2100)}, 400, "maximum context length is 2048", "context_length_exceeded"),
         ({"model": NAME, "prompt": "w1", "max_tokens": 2048}, 400, "maximum context length", "context_length_exceeded"),
-        ({"model": NAME, "prompt": "w1", "temperature": 0.8}, 400, "decodes greedily", None),
-        ({"model": NAME, "prompt": "w1", "n": 3}, 400, "n=3 is not supported", None),
+        ({"model": NAME, "prompt": "w1", "temperature": -0.1}, 400, "'temperature': Input should be greater", None),
+        ({"model": NAME, "prompt": "w1", "temperature": 2.5}, 400, "'temperature': Input should be less", None),
+        ({"model": NAME, "prompt": "w1", "top_p": 0}, 400, "'top_p': Input should be greater than 0", None),
+        ({"model": NAME, "prompt": "w1", "top_p": 1.5}, 400, "'top_p': Input should be less", None),
+        ({"model": NAME, "prompt": "w1", "top_k": -1}, 400, "'top_k': Input should be greater", None),
+        ({"model": NAME, "prompt": "w1", "n": 0}, 400, "'n': Input should be greater", None),
+        ({"model": NAME, "prompt": "w1", "n": 17}, 400, "'n': Input should be less than or equal to 16", None),
+        ({"model": NAME, "prompt": "w1", "seed": "x"}, 400, "'seed'", None),
+        ({"model": NAME, "prompt": "w1", "best_of": 3}, 400, "best_of is not supported", None),
+        ({"model": NAME, "prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty is not supported", None),
         ({"model": NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens", None),
         ({"model": NAME, "prompt": "w1", "frobnicate": True}, 400, "unrecognized request argument: 'frobnicate'", None),
         ({"model": NAME, "prompt": [5, 999]}, 400, "outside the vocabulary", None),
@@ -201,6 +263,8 @@ def test_bad_requests_get_openai_errors(server, body, status, words_in_message, 
     assert got == status
     assert words_in_message in reply["error"]["message"]
     assert reply["error"]["code"] == code and reply["error"]["type"]
+    named = [k for k in body if k not in ("model", "prompt")]  # a bad setting: the error names it
+    assert reply["error"]["param"] == (named[0] if named and status == 400 else reply["error"]["param"])
 
 
 def test_malformed_json_and_the_server_keeps_serving(server):
@@ -215,8 +279,8 @@ def test_openai_client_sees_the_errors(server):
     c = client(server)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         c.completions.create(model="nope", prompt="w1")
-    with pytest.raises(openai.BadRequestError, match="decodes greedily"):
-        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "w1"}], temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match="'top_p': Input should be greater than 0"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "w1"}], temperature=1, top_p=0)
 
 
 def test_api_key_is_enforced(server):
