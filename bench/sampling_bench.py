@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> Path:
     for (t, name), total in totals.items():
         tps = total["tokens"] / total["seconds"]
         rows.append(
-            {
+            total
+            | {
                 "temperature": t,
                 "method": name,
                 "tpf": total["tokens"] / total["forwards"] if total["forwards"] else None,
@@ -93,7 +94,6 @@ def main(argv: list[str] | None = None) -> Path:
                 "speedup_vs_ar": tps / (totals[(t, "ar")]["tokens"] / totals[(t, "ar")]["seconds"]),
                 "speedup_vs_hf": tps / (totals[(t, "hf_generate")]["tokens"] / totals[(t, "hf_generate")]["seconds"]),
                 "same_as_ar": total["same_as_ar"] / total["prompts"],
-                **total,
             }
         )
     print(f"{'T':>4} {'method':<14}{'TPF':>6}{'TPS':>8}{'vs AR':>8}{'vs HF':>8}{'same as AR':>12}")
