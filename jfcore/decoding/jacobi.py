@@ -20,7 +20,9 @@ latest earlier occurrence of the row's last tokens (jfcore/decoding/lookup.py).
 
 Every committed token is checked against the model's own argmax, so the
 output equals greedy autoregressive decoding exactly, whatever the drafts.
-AR decoding is the special case of one block of size 1.
+AR decoding is the special case of one block of size 1. A sampled row reads
+"the row's keyed sample" for "argmax" (jfcore/decoding/sampling.py): again a
+function of the prefix, so the output equals sequential sampling exactly.
 
 The rules are written here row by row. Rows with one block and no candidates
 (ar, jacobi) run the same rules as batch tensors (jfcore/decoding/batch_rows.py).

@@ -26,8 +26,9 @@ class LiveBatch:
     """Rows that decode together, one forward per step (continuous batching).
 
     Prompts join between forwards (`add`: a prefill of their own, then their cache slots are merged into the
-    batch's), finished and cancelled rows leave, and every row's tokens are its own greedy output whatever else
-    shares the batch: each row attends only to its own valid slots at its own positions.
+    batch's), finished and cancelled rows leave, and every row's tokens are its own output (greedy, or sampled
+    with its own keyed noise) whatever else shares the batch: each row attends only to its own valid slots at its
+    own positions.
     """
 
     def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False, batch_tensors: bool = True):
