@@ -35,7 +35,9 @@ def compiled_forward(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class InductorForward:
-    """Decode forwards through `compiled_forward(model)`, at the shapes the slot batch pads to."""
+    """Decode forwards through `compiled_forward(model)`, at the shapes the slot batch pads to, with rows padded to
+    a power of two as well (so a batch whose rows come and go meets few shapes; padding rows compute on zeros in
+    cache rows no real row reads, and are dropped)."""
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module | None = None):
         """`module`: what runs the forwards (default: `model` compiled; the tests pass the eager model)."""
@@ -43,9 +45,13 @@ class InductorForward:
 
     def __call__(self, cache: SlotCache, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens, mask = inputs["input_ids"], inputs["attention_mask"]
-        write_at = torch.empty(tokens.shape[1], dtype=torch.long, device=tokens.device)
-        with cache.fixed_shape(tokens.shape[1], mask.shape[-1], tokens.shape[0], write_at):
-            return self.module(**inputs, past_key_values=cache, use_cache=True).logits
+        rows, width = tokens.shape
+        padded = 1 << (rows - 1).bit_length()
+        if padded > rows:
+            inputs = {k: torch.cat([v, v.new_zeros((padded - rows, *v.shape[1:]))]) for k, v in inputs.items()}
+        write_at = torch.empty(width, dtype=torch.long, device=tokens.device)
+        with cache.fixed_shape(width, mask.shape[-1], padded, write_at):
+            return self.module(**inputs, past_key_values=cache, use_cache=True).logits[:rows]
 
 
 def fixed_forward(model: torch.nn.Module, compile: str) -> FixedForward | None:
