@@ -42,8 +42,8 @@ class DecodeConfig:
     lookup_within: bool = False
     record_trajectories: bool = False
     # Sampling (jfcore/decoding/sampling.py): temperature 0 is greedy. Otherwise temperature, then top-k (0: off), then
-    # top-p (1: off), and Gumbel noise keyed by (sample_seed, sample index, position): every method returns the
-    # tokens sequential sampling with the same seed returns.
+    # top-p (1: off), and Gumbel noise keyed by (sample_seed, sample index, position); a prompt's sample index is its
+    # place in the `decode` call. Every method returns the tokens sequential sampling with the same keys returns.
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
