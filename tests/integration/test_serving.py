@@ -209,14 +209,21 @@ def test_sampled_choices_equal_sequential_sampling_and_repeat_with_their_seed(se
     assert reply.choices[0].message.content == greedy  # temperature 0: top_p and seed change nothing
 
 
-def test_a_non_streamed_client_that_goes_away_frees_its_row_within_a_second(server):
-    """A non-streamed request whose client closes the connection mid-decode: its row leaves the batch within 1 s
-    of the close (the engine keeps decoding other rows in between)."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_frees_its_row_within_a_second(server, stream):
+    """A request whose client closes the connection mid-decode, streamed or not: its row leaves the batch within
+    1 s of the close."""
     cancelled_before = prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY)
-    body = {"model": NAME, "prompt": words(6), "max_tokens": 1900}
+    body = {"model": NAME, "prompt": words(6), "max_tokens": 1900, "stream": stream}
     headers = {"Authorization": f"Bearer {KEY}"}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
-        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.0)
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            for seen, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+                if seen == 2:
+                    break  # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
+            httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.0)
     closed = time.time()
     cancelled = lambda: prometheus_value(server, 'jf_requests_total{finish_reason="cancelled"}', KEY)
     while cancelled() == cancelled_before or prometheus_value(server, "jf_batch_size", KEY) != 0:
