@@ -138,15 +138,23 @@ class JacobiDecoder:
         # cost more than the rest of the step's host work together.
         layouts = [self._layout(row) for row in rows]
         width = max(len(inputs) for inputs, _, _ in layouts)
-        tokens, positions, valid, generated = [], [], [], []
+        tokens, positions, valid = [], [], []
         for row, (inputs, offsets, _) in zip(rows, layouts):
             base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
             missing = width - len(inputs)
             tokens.append(inputs + [self.pad] * missing)
             positions.append([base + o for o in offsets] + [0] * missing)
             valid.append([True] * len(inputs) + [False] * missing)
-            # What each query predicts: the token after it, whose generated position counts from draft[0]'s.
-            generated.append([len(row.out) + o + 1 for o in offsets] + [0] * missing)
+
+        def generated() -> torch.Tensor:
+            """What each query predicts: the token after it, whose generated position counts from draft[0]'s."""
+            return torch.tensor(
+                [
+                    [len(row.out) + o + 1 for o in offsets] + [0] * (width - len(offsets))
+                    for row, (_, offsets, _) in zip(rows, layouts)
+                ]
+            )
+
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
         tree = (
@@ -155,7 +163,7 @@ class JacobiDecoder:
             else None
         )
         logits = batch.forward(torch.tensor(tokens), torch.tensor(valid), torch.tensor(positions), tree)
-        predictions = self.choose(logits, rows, torch.tensor(generated)).tolist()  # one host sync per forward
+        predictions = self.choose(logits, rows, generated).tolist()  # one host sync per forward
         keep, accepted = [], []
         for row, pred, (_, _, cands) in zip(rows, predictions, layouts):
             slots = self._verify(row, pred, cands)
@@ -168,10 +176,12 @@ class JacobiDecoder:
             lengths = batch.lengths().tolist()
             self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, lengths, widths))
 
-    def choose(self, logits: torch.Tensor, rows: list[Row], generated: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, rows: list[Row], generated: Callable[[], torch.Tensor]) -> torch.Tensor:
         """[B, Q] host tensor of each row's choice at each query (greedy, or sampled: jfcore/decoding/sampling.py);
-        `generated` [B, Q]: the generated position of the token each query predicts."""
-        return choose(logits, [r.sampling for r in rows], [r.sample for r in rows], generated)
+        `generated()` [B, Q]: the generated position of the token each query predicts (built only for sampling)."""
+        if all(r.sampling.temperature == 0 for r in rows):
+            return logits.max(-1).indices.cpu()  # max: argmax, faster on CPU
+        return choose(logits, [r.sampling for r in rows], [r.sample for r in rows], generated())
 
     def _layout(self, row: Row) -> tuple[list[int], list[int], Candidates]:
         """The row's forward input: its draft, then recycled and prompt-lookup candidates; and their position

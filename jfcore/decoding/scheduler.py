@@ -72,7 +72,7 @@ class LiveBatch:
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
         d.vocab_size = logits.shape[-1]
-        first_tokens = d.choose(logits[:, -1:], new, torch.zeros(len(new), 1, dtype=torch.long))[:, 0].tolist()
+        first_tokens = d.choose(logits[:, -1:], new, lambda: torch.zeros(len(new), 1, dtype=torch.long))[:, 0].tolist()
         for row, first in zip(new, first_tokens):
             d._carry_on(row, first, guess=first, progress=0)
         staying = [i for i, row in enumerate(new) if not row.finished]
