@@ -179,9 +179,7 @@ class JacobiDecoder:
     def choose(self, logits: torch.Tensor, rows: list[Row], generated: Callable[[], torch.Tensor]) -> torch.Tensor:
         """[B, Q] host tensor of each row's choice at each query (greedy, or sampled: jfcore/decoding/sampling.py);
         `generated()` [B, Q]: the generated position of the token each query predicts (built only for sampling)."""
-        if all(r.sampling.temperature == 0 for r in rows):
-            return logits.max(-1).indices.cpu()  # max: argmax, faster on CPU
-        return choose(logits, [r.sampling for r in rows], [r.sample for r in rows], generated())
+        return choose(logits, [r.sampling for r in rows], [r.sample for r in rows], generated)
 
     def _layout(self, row: Row) -> tuple[list[int], list[int], Candidates]:
         """The row's forward input: its draft, then recycled and prompt-lookup candidates; and their position

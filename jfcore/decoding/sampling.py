@@ -17,7 +17,7 @@ Temperature 0 is greedy (plain argmax, no noise).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,15 +123,16 @@ def choose(
     logits: torch.Tensor,
     settings: Sequence[Sampling],
     samples: Sequence[int],
-    positions: torch.Tensor,
+    positions: torch.Tensor | Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     """Each row's token choice at every query position: logits [B, Q, V], one `Sampling` and sample index per row,
-    positions [B, Q] (generated position of the token each query predicts). Returns [B, Q] token ids on the
-    host."""
+    positions [B, Q] (generated position of the token each query predicts; a callable is called only when some row
+    samples, so greedy steps build none). Returns [B, Q] token ids on the host."""
     greedy = logits.max(-1).indices  # max: argmax, faster on CPU
     sampled = [b for b, s in enumerate(settings) if not s.greedy]
     if not sampled:
         return greedy.cpu()
+    positions = positions() if callable(positions) else positions
     device = logits.device
     rows = torch.tensor(sampled, device=device)
 
