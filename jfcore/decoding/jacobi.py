@@ -45,7 +45,7 @@ from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, S
 from jfcore.decoding.rows import Candidates, Row, refill
 from jfcore.decoding.sampling import Sampling, choose
 from jfcore.decoding.scheduler import LiveBatch
-from jfcore.decoding.slots import SlotBatch
+from jfcore.decoding.slots import SlotBatch, host_tensor
 
 BATCH_TENSOR_ROWS = 8
 
@@ -134,21 +134,22 @@ class JacobiDecoder:
     # -- one decode forward for every active row ---------------------------------------------
 
     def _step(self, batch: SlotBatch, rows: list[Row], step: int) -> None:
-        # The inputs are built as Python lists and become tensors in one call each: per-row tensor writes would
-        # cost more than the rest of the step's host work together.
+        # The inputs are built as Python lists and become tensors in one call each (through numpy: `host_tensor`):
+        # per-row tensor writes, or torch.tensor on lists, would cost more than the rest of the step's host work.
         layouts = [self._layout(row) for row in rows]
-        width = max(len(inputs) for inputs, _, _ in layouts)
-        tokens, positions, valid = [], [], []
-        for row, (inputs, offsets, _) in zip(rows, layouts):
+        lengths = [len(inputs) for inputs, _, _ in layouts]
+        width = max(lengths)
+        tokens, positions = [], []
+        for row, (inputs, offsets, _), n in zip(rows, layouts, lengths):
             base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
-            missing = width - len(inputs)
-            tokens.append(inputs + [self.pad] * missing)
-            positions.append([base + o for o in offsets] + [0] * missing)
-            valid.append([True] * len(inputs) + [False] * missing)
+            missing = [0] * (width - n)
+            tokens.append(inputs + missing if self.pad == 0 else inputs + [self.pad] * (width - n))
+            positions.append([base + o for o in offsets] + missing)
+        valid = torch.arange(width) < host_tensor(lengths)[:, None]
 
         def generated() -> torch.Tensor:
             """What each query predicts: the token after it, whose generated position counts from draft[0]'s."""
-            return torch.tensor(
+            return host_tensor(
                 [
                     [len(row.out) + o + 1 for o in offsets] + [0] * (width - len(offsets))
                     for row, (_, offsets, _) in zip(rows, layouts)
@@ -157,12 +158,8 @@ class JacobiDecoder:
 
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
-        tree = (
-            _tree([cands for _, _, cands in layouts], [len(inputs) for inputs, _, _ in layouts], width)
-            if use_tree
-            else None
-        )
-        logits = batch.forward(torch.tensor(tokens), torch.tensor(valid), torch.tensor(positions), tree)
+        tree = _tree([cands for _, _, cands in layouts], lengths, width) if use_tree else None
+        logits = batch.forward(host_tensor(tokens), valid, host_tensor(positions), tree)
         predictions = self.choose(logits, rows, generated).tolist()  # one host sync per forward
         keep, accepted = [], []
         for row, pred, (_, _, cands) in zip(rows, predictions, layouts):
@@ -172,9 +169,9 @@ class JacobiDecoder:
         batch.keep_slots(keep)
         if self.on_step is not None:
             committed = [len(r.prompt) + r.verified for r in rows]
-            widths = [len(inputs) for inputs, _, _ in layouts]
-            lengths = batch.lengths().tolist()
-            self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, lengths, widths))
+            self.on_step(
+                StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist(), lengths)
+            )
 
     def choose(self, logits: torch.Tensor, rows: list[Row], generated: Callable[[], torch.Tensor]) -> torch.Tensor:
         """[B, Q] host tensor of each row's choice at each query (greedy, or sampled: jfcore/decoding/sampling.py);
@@ -276,10 +273,10 @@ class JacobiDecoder:
     def _emit(self, row: Row, accepted: list[int]) -> bool:
         """Append committed tokens, stopping at the first EOS or the token budget. True if finished."""
         budget = row.max_new_tokens - len(row.out)
-        cut = next((i + 1 for i, t in enumerate(accepted[:budget]) if t in self.eos), None)
-        if cut is None and len(accepted) < budget:
+        if len(accepted) < budget and self.eos.isdisjoint(accepted):  # the common case, without a Python loop
             row.out.extend(accepted)
             return False
+        cut = next((i + 1 for i, t in enumerate(accepted[:budget]) if t in self.eos), None)
         self._finish(row, accepted[: cut or budget])
         return True
 
@@ -340,7 +337,7 @@ def _tree(candidates: list[Candidates], widths: list[int], width: int) -> torch.
         for i, (_, gram) in enumerate(cands, start=1):
             seg += [i] * len(gram)
         segments.append(seg + [-1] * (width - len(seg)))
-    seg = torch.tensor(segments)
+    seg = host_tensor(segments)
     query, key = seg[:, :, None], seg[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     return (causal & (query == key) & (query >= 0)) | ((query > 0) & (torch.arange(width) == 0))

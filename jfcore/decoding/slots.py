@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
@@ -148,9 +149,9 @@ class SlotBatch:
         """`keep` for kept slot indices per row (each within the last forward's slots), without a [B, Q]
         tensor built row by row: one scatter, and the crop read off the lists."""
         start = self._new
-        rows = [b for b, slots in enumerate(kept) for _ in slots]
-        columns = [start + s for slots in kept for s in slots]
-        self._valid[rows, columns] = True
+        rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
+        columns = host_tensor([s for slots in kept for s in slots])
+        self._valid[rows, columns + start] = True
         # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
         self._crop(max((start + max(slots) + 1 for slots in kept if slots), default=start))
 
@@ -241,6 +242,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, 
         valid[b, width - len(p) :] = True
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     return tokens, valid, positions
+
+
+def host_tensor(values: Sequence) -> torch.Tensor:
+    """A host int64 tensor from (nested, rectangular) lists of ints, through numpy: several times faster than
+    `torch.tensor` on Python lists, which costs about a tenth of a microsecond per element."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def device_sync(device: torch.device | str) -> Callable[[], None]:
