@@ -92,8 +92,33 @@ class SlotLayer(DynamicLayer):
             self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
+        """Keep rows `indices`, in that order. Only rows whose place changes are written: a batch whose leaving
+        rows are filled by its last rows (jfcore/decoding/scheduler.py) copies those rows, not the batch."""
+        if not self.is_initialized:
+            return
+        rows = len(indices)
+        if rows > self._k.shape[0]:  # more rows than storage (repeated indices): gather into new storage
             self.set_slots(self.keys[indices], self.values[indices])
+            return
+        moved = (indices != torch.arange(rows, device=indices.device)).nonzero().squeeze(1)
+        if len(moved):
+            source = indices[moved]  # read before written: a row may move into a place another row leaves
+            self._k[moved, :, : self.length] = self._k[source, :, : self.length]
+            self._v[moved, :, : self.length] = self._v[source, :, : self.length]
+        self.rows = rows
+        self._views()
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add rows [rows, heads, slots, head_dim] after the used ones, without moving those: the new rows' slots
+        end where the used slots end (or move that end on, leaving the used rows' extra slots as holes for the
+        caller's mask), so their slots right-align, like left padding."""
+        rows, slots = self.rows + keys.shape[0], max(self.length, keys.shape[2])
+        # room for a power of two of rows: joins rarely reallocate
+        self.reserve(slots, 1 << (rows - 1).bit_length() if rows > self._k.shape[0] else 0)
+        self._k[self.rows : rows, :, slots - keys.shape[2] : slots] = keys
+        self._v[self.rows : rows, :, slots - keys.shape[2] : slots] = values
+        self.rows, self.length = rows, slots
+        self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:

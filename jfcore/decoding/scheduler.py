@@ -103,8 +103,8 @@ class LiveBatch:
     @torch.inference_mode()  # the cache's storage is written in place (an inference tensor)
     def remove(self, leaving: list[Row]) -> list[Row]:
         """Take rows out of the batch (finished, or cancelled by their caller)."""
-        gone = {id(row) for row in leaving}
-        keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        ids = {id(row) for row in leaving}
+        keep = fill_from_the_end(len(self.rows), {i for i, row in enumerate(self.rows) if id(row) in ids})
         if len(keep) < len(self.rows):
             if keep:
                 self.slots.select_rows(keep)
@@ -114,3 +114,14 @@ class LiveBatch:
             if self.plain is not None:
                 self.plain.select(keep)
         return leaving
+
+
+def fill_from_the_end(rows: int, leaving: set[int]) -> list[int]:
+    """The rows that stay, in their new order: each place a row leaves is taken by one of the last rows, so the
+    cache moves as many rows as leave from below the new end, and the rest stay put."""
+    staying = rows - len(leaving)
+    order = list(range(staying))
+    movers = (i for i in range(staying, rows) if i not in leaving)
+    for hole in sorted(i for i in leaving if i < staying):
+        order[hole] = next(movers)
+    return order

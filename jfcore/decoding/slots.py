@@ -162,7 +162,8 @@ class SlotBatch:
         self._maybe_compact()
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep only `rows` (finished sequences leave the batch)."""
+        """Keep only `rows`, in that order (finished sequences leave the batch); in-place cache layers write only
+        the rows whose place changes."""
         index = torch.tensor(rows)
         self.cache.batch_select_indices(index.to(self.device))
         self.valid = self.valid[index]
@@ -174,17 +175,17 @@ class SlotBatch:
         return self.cache.in_place
 
     def extend(self, other: SlotBatch) -> None:
-        """Append `other`'s rows (continuous batching). Both are right-aligned to the wider slot count; the
-        shorter side's new leading slots are holes, masked out like left padding."""
+        """Append `other`'s rows (continuous batching) after this batch's, which stay where they are: the new
+        rows' slots end where this batch's end, and when they are more, this batch's rows get holes after
+        theirs. Holes are masked out like left padding (attention over a row's valid slots does not depend on
+        where in the slot axis they lie: each token carries its own position)."""
         if not (self.mergeable and other.mergeable):
             raise ValueError("this model's cache has special layers (sliding window, ...): batches cannot merge")
         width = max(self.num_slots, other.num_slots)
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.set_slots(
-                torch.cat([_left_grow(mine.keys, width), _left_grow(theirs.keys, width)], dim=0),
-                torch.cat([_left_grow(mine.values, width), _left_grow(theirs.values, width)], dim=0),
-            )
-        self.valid = torch.cat([_left_grow(self.valid, width), _left_grow(other.valid, width)], dim=0)
+            mine.append_rows(theirs.keys, theirs.values)
+        mine = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - self.num_slots)], dim=1)
+        self.valid = torch.cat([mine, _left_grow(other.valid, width)], dim=0)
 
     def _maybe_compact(self) -> None:
         """Squeeze out holes once they waste a quarter of the cache (and at least 32 slots)."""

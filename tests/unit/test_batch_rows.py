@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from jfcore.config import ConfigError
@@ -14,7 +15,8 @@ from jfcore.decoding.compiled import InductorForward
 from jfcore.decoding.graphs import GraphForward
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
-from jfcore.decoding.scheduler import LiveBatch
+from jfcore.decoding.scheduler import LiveBatch, fill_from_the_end
+from jfcore.decoding.slots import SlotBatch, left_pad
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
 
 
@@ -121,6 +123,70 @@ def test_in_place_cache_equals_the_dynamic_cache_through_growth_crop_and_row_sel
     for a, b in zip(slot.layers, dynamic.layers):
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
+
+
+_WRITE_SOURCE = {"copy_": 1, "index_put_": 2, "index_copy_": 3}  # in-place copies: the argument written
+
+
+class _WrittenBytes(TorchDispatchMode):
+    """Counts the bytes operations write: every new tensor an operation makes, and what an in-place copy writes
+    into its target (views write nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _WRITE_SOURCE:
+            self.count += args[_WRITE_SOURCE[name]].nbytes
+        elif not func.is_view and isinstance(out, torch.Tensor):
+            self.count += out.nbytes
+        return out
+
+
+def _prefilled(m, prompts: list[list[int]]) -> SlotBatch:
+    batch = SlotBatch(m, len(prompts))
+    tokens, valid, positions = left_pad(prompts, 0)
+    batch.forward(tokens, valid, positions)
+    batch.keep(valid)
+    return batch
+
+
+def _rows_kv(batch: SlotBatch) -> list[list[torch.Tensor]]:
+    """Each row's keys and values over its valid slots, every layer."""
+    return [
+        [t[b][:, batch.valid[b]] for layer in batch.cache.layers for t in (layer.keys, layer.values)]
+        for b in range(batch.valid.shape[0])
+    ]
+
+
+@torch.inference_mode()
+def test_rows_leave_and_join_without_copying_the_other_rows():
+    m = tiny_model("llama")
+    gen = random.Random(0)
+    batch = _prefilled(m, [[gen.randrange(1, 96) for _ in range(20)] for _ in range(8)])
+    before, storage = _rows_kv(batch), batch.cache.storage_key
+    one_row = sum(t.nbytes for t in before[0])
+
+    with _WrittenBytes() as written:  # rows 2 and 5 leave: rows 6 and 7 take their places
+        keep = fill_from_the_end(8, {2, 5})
+        batch.select_rows(keep)
+    assert keep == [0, 1, 6, 3, 4, 7]
+    # Two rows moved, each read into a temporary and written (4 rows' bytes); moving the six that stay would be 12.
+    assert written.count < 5 * one_row, (written.count, one_row)
+    assert all(torch.equal(a, b) for i, row in zip(keep, _rows_kv(batch)) for a, b in zip(before[i], row))
+
+    newcomer = _prefilled(m, [[gen.randrange(1, 96) for _ in range(28)]])  # more slots than the batch has
+    joining = _rows_kv(newcomer)[0]
+    with _WrittenBytes() as written:
+        batch.extend(newcomer)
+    assert written.count < 1.5 * sum(t.nbytes for t in joining), written.count  # the newcomer's slots only
+    assert batch.cache.storage_key == storage  # nothing was reallocated
+    after = _rows_kv(batch)
+    assert all(torch.equal(a, b) for i, row in zip(keep, after) for a, b in zip(before[i], row))
+    assert all(torch.equal(a, b) for a, b in zip(joining, after[-1]))
 
 
 @pytest.mark.parametrize("fixed", ["padded widths", "graph buffers"])
