@@ -2,7 +2,7 @@
 
 On a GPU a small model's forward takes a few milliseconds, so the Python between forwards decides the speed. This
 bench stands in for that on a CPU with a 2-layer random model whose forward is short. For each batch size it runs
-HF greedy `generate` and the project's AR, Jacobi and multiblock decoders back to back (order rotated per round)
+HF greedy `generate` and the project's AR, Jacobi, multiblock and AR + prompt lookup decoders back to back (order rotated per round)
 on the same prompts, EOS off so every row runs the whole budget, and times every model forward with hooks:
 
 - whole step: decode time (prefill excluded) / decode forwards
@@ -38,6 +38,7 @@ METHODS = {
     "ar": DecodeConfig(method="ar"),
     "jacobi": DecodeConfig(method="jacobi"),
     "multiblock": DecodeConfig(method="multiblock"),
+    "ar+lookup": DecodeConfig(method="ar", lookup_tokens=2, lookup_ngram=3),  # the tuned CPU default (ar+L2g3)
 }
 
 

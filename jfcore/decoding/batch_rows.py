@@ -1,10 +1,11 @@
 """Plain Jacobi rows as batch tensors: one step updates every row with a fixed number of tensor operations.
 
-"Plain" is one block in flight without recycling or prompt lookup: method "jacobi", and "ar" (a block of one).
-The acceptance rule is the one in jfcore/decoding/jacobi.py (docs/DESIGN.md, section 1), written for the whole
-batch at once instead of row by row:
+"Plain" is one block in flight without recycling: method "jacobi", and "ar" (a block of one), which may also
+verify a prompt-lookup candidate after its known token (`lookup_tokens`; the candidate comes from
+`BatchLookup`, jfcore/decoding/lookup.py). The acceptance rule is the one in jfcore/decoding/jacobi.py
+(docs/DESIGN.md, section 1), written for the whole batch at once instead of row by row:
 
-    accepted a   = 1 + the longest run where draft[j+1] == pred[j]
+    accepted a   = 1 + the longest run where draft[j+1] == pred[j]  (AR + lookup: draft = known token + candidate)
     committed    = draft[:a], cut at the first EOS or the row's token budget
     next draft   = pred[a-1 :]  (the correction pred[a-1], then the model's fresh guesses), block size kept
     finished     = EOS or budget reached; else, if the block is used up, a fresh block opens at pred[a-1]
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from jfcore.decoding.lookup import BatchLookup
 from jfcore.decoding.result import StepEvent
 from jfcore.decoding.slots import SlotBatch
 
@@ -38,7 +40,10 @@ class PlainRows:
         self.nout = torch.zeros(0, dtype=torch.long)
         self.limit = torch.zeros(0, dtype=torch.long)  # token budget per row
         self.joined = torch.zeros(0, dtype=torch.long)  # step at which the row joined (its forwards are the rest)
+        self.recycled = torch.zeros(0, dtype=torch.long)  # candidate tokens committed
         self.eos = torch.tensor(sorted(decoder.eos), dtype=torch.long)
+        cfg = decoder.config
+        self.lookup = BatchLookup(cfg.lookup_ngram, cfg.lookup_tokens) if cfg.lookup_tokens else None
         self.steps = 0
 
     def add(self, rows) -> None:
@@ -55,21 +60,30 @@ class PlainRows:
         self.nout = torch.cat([self.nout, torch.zeros(len(rows), dtype=torch.long)])
         self.limit = torch.cat([self.limit, torch.tensor([r.max_new_tokens for r in rows])])
         self.joined = torch.cat([self.joined, torch.full((len(rows),), self.steps)])
+        self.recycled = torch.cat([self.recycled, torch.zeros(len(rows), dtype=torch.long)])
+        if self.lookup is not None:
+            self.lookup.add([r.prompt for r in rows], [r.max_new_tokens + n for r in rows])
         self.rows += rows
 
     def select(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long)
-        for name in ("draft", "dlen", "base", "out", "nout", "limit", "joined"):
+        for name in ("draft", "dlen", "base", "out", "nout", "limit", "joined", "recycled"):
             setattr(self, name, getattr(self, name)[index])
+        if self.lookup is not None:
+            self.lookup.select(index)
         self.rows = [self.rows[i] for i in keep]
 
     def step(self, batch: SlotBatch) -> None:
         """One forward for every row; finished rows get their tokens and `finished` set (they stay until removed)."""
         d, rows = self.d, self.rows
-        width = int(self.dlen.max())
+        draft, dlen = self.draft, self.dlen
+        if self.lookup is not None:  # AR: the known token, then the copied candidate
+            copied, proposed = self.lookup.propose(draft[:, 0], self.limit - self.nout - 1)
+            draft, dlen = torch.cat([draft, copied], dim=1), dlen + proposed
+        width = int(dlen.max())
         j = torch.arange(width)
-        drafted = j < self.dlen[:, None]
-        tokens = self.draft[:, :width].masked_fill(~drafted, d.pad)
+        drafted = j < dlen[:, None]
+        tokens = draft[:, :width].masked_fill(~drafted, d.pad)
         if d.record:
             self._record_states(tokens)
         logits = batch.forward(tokens, drafted, self.base[:, None] + j)
@@ -91,9 +105,14 @@ class PlainRows:
         batch.keep(j < a[:, None])
 
         self.base += a
-        left = self.dlen - a
+        if self.lookup is not None:
+            self.lookup.update(proposed, a - 1)
+            self.lookup.extend(tokens, a)
+            self.recycled += a - 1
+        left = (self.dlen - a).clamp(min=0)  # AR + lookup: a block of one, used up whatever was accepted
         # Jacobi update: position k of the remaining draft is the model's prediction after slot a-1+k.
-        self.draft[:, :width] = pred.gather(1, ((a - 1)[:, None] + j).clamp(max=width - 1))
+        kept = min(width, self.draft.shape[1])
+        self.draft[:, :kept] = pred.gather(1, ((a - 1)[:, None] + j[:kept]).clamp(max=width - 1))
         self.dlen = left
         opening = ~finished & (left == 0)
         self.steps += 1
@@ -138,6 +157,7 @@ class PlainRows:
         for b in sync:
             row = self.rows[b]
             row.forwards = forwards[b]
+            row.recycled = int(self.recycled[b])
             if self.sync_rows:
                 row.out.extend(toks[b][: taken[b]])
                 if ends[b]:

@@ -48,6 +48,7 @@ from jfcore.decoding.scheduler import LiveBatch
 from jfcore.decoding.slots import SlotBatch, host_tensor
 
 BATCH_TENSOR_ROWS = 8
+LOOKUP_BATCH_TENSOR_ROWS = 64
 
 
 class JacobiDecoder:
@@ -67,11 +68,17 @@ class JacobiDecoder:
         self.pad = pad_token_id
         self.on_step = on_step
         self.fixed_forward = fixed_forward(model, config.compile)
-        # One block, no candidates: from this many rows on, a decode runs them as batch tensors
-        # (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor ops on a CPU host; below it,
-        # the row-by-row rules cost less (bench/step_overhead.py: about even at 8 rows). None: never.
-        plain = config.blocks_in_flight == 1 and not config.lookup_tokens and not config.recycling
-        self.batch_tensors_from: int | None = BATCH_TENSOR_ROWS if plain else None
+        # One block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a decode
+        # runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor
+        # ops on a CPU host (~0.7 ms with the lookup's); below it, the row-by-row rules cost less
+        # (bench/step_overhead.py: about even at 8 rows, with lookup at 64). None: never.
+        plain = config.blocks_in_flight == 1 and not config.recycling
+        if plain and not config.lookup_tokens:
+            self.batch_tensors_from: int | None = BATCH_TENSOR_ROWS
+        elif plain and self.block_size == 1:
+            self.batch_tensors_from = LOOKUP_BATCH_TENSOR_ROWS
+        else:
+            self.batch_tensors_from = None
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
@@ -142,9 +149,8 @@ class JacobiDecoder:
         tokens, positions = [], []
         for row, (inputs, offsets, _), n in zip(rows, layouts, lengths):
             base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
-            missing = [0] * (width - n)
-            tokens.append(inputs + missing if self.pad == 0 else inputs + [self.pad] * (width - n))
-            positions.append([base + o for o in offsets] + missing)
+            tokens.append(inputs + [self.pad] * (width - n))
+            positions.append([base + o for o in offsets] + [0] * (width - n))
         valid = torch.arange(width) < host_tensor(lengths)[:, None]
 
         def generated() -> torch.Tensor:

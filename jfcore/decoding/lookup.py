@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 class PromptLookup:
     """An index from every n-gram (1..max_ngram tokens) of a growing text to where it last occurred."""
@@ -69,6 +71,75 @@ class PromptLookup:
             self.length = min(self.length + 2, self.max_tokens)
         else:
             self.length = max(self.length - 1, 1)
+
+
+class BatchLookup:
+    """`PromptLookup` for a batch of rows as tensors (jfcore/decoding/batch_rows.py): the same candidates and the
+    same length rule, found by comparing every window of each row's text with its suffix instead of through an
+    index, so a step has no per-row Python. Row b of every tensor is row b of the batch."""
+
+    def __init__(self, max_ngram: int, max_tokens: int):
+        self.max_ngram = max_ngram
+        self.max_tokens = max_tokens
+        self.text = torch.zeros(0, 0, dtype=torch.long)  # prompt and committed tokens, zero after them
+        self.size = torch.zeros(0, dtype=torch.long)  # tokens of text per row
+        self.length = torch.zeros(0, dtype=torch.long)  # candidate length per row
+
+    def add(self, texts: Sequence[Sequence[int]], room: Sequence[int]) -> None:
+        """Rows that join, each with its text so far and room for that many more tokens."""
+        columns = max([self.text.shape[1], *(len(t) + r for t, r in zip(texts, room))])
+        rows = torch.zeros(len(texts), columns, dtype=torch.long)
+        for b, tokens in enumerate(texts):
+            rows[b, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        grown = self.text.new_zeros(self.text.shape[0], columns)
+        grown[:, : self.text.shape[1]] = self.text
+        self.text = torch.cat([grown, rows])
+        self.size = torch.cat([self.size, torch.tensor([len(t) for t in texts], dtype=torch.long)])
+        self.length = torch.cat([self.length, torch.full((len(texts),), self.max_tokens, dtype=torch.long)])
+
+    def select(self, index: torch.Tensor) -> None:
+        self.text, self.size, self.length = self.text[index], self.size[index], self.length[index]
+
+    def propose(self, next_token: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's candidate [B, max_tokens] (zero after its count) and count [B]: `PromptLookup.propose`."""
+        rows, columns = self.text.shape
+        size, text, g = self.size, self.text, self.max_ngram
+        # key[b, i]: the token i places back from the end of text + [next token]
+        back = (size[:, None] - torch.arange(1, g)).clamp(min=0)
+        key = torch.cat([next_token[:, None], text.gather(1, back)], dim=1)
+        # seen[b, e, i]: text[b, e - 1 - i], the token i places back from end e (-1, no token, before the text)
+        padded = torch.cat([text.new_full((rows, g), -1), text], dim=1)
+        seen = padded.unfold(1, g, 1).flip(-1)  # [B, columns + 1, g]
+        # the suffix length matched at each end (a key reaching before the text cannot match: an end is at most
+        # size - 1, so what lies before the text is a -1 there)
+        matched = (seen == key[:, None, :]).long().cumprod(-1).sum(-1)  # [B, columns + 1]
+        # An n-gram counts once a token follows it (end <= size - 1): the longest match, then the latest, wins.
+        ends = torch.arange(columns + 1)
+        score = torch.where((ends < size[:, None]) & (matched > 0), matched * (columns + 1) + ends, -1).amax(1)
+        found, start = score >= 0, score.clamp(min=0) % (columns + 1)
+        count = torch.where(found, torch.minimum(limit, self.length).clamp(min=0), 0)
+        # Copied from text + [next token] + the copy itself: past the text's end the copy repeats with the
+        # period from the match to that end.
+        k = torch.arange(self.max_tokens)
+        at = start[:, None] + k % (size + 1 - start).clamp(min=1)[:, None]
+        copied = torch.where(at == size[:, None], next_token[:, None], text.gather(1, at.clamp(max=columns - 1)))
+        return copied.masked_fill(k >= count[:, None], 0), count
+
+    def update(self, proposed: torch.Tensor, accepted: torch.Tensor) -> None:
+        """`PromptLookup.update` for every row: `proposed` and `accepted` [B] candidate tokens."""
+        adapted = torch.where(
+            accepted == proposed, (self.length + 2).clamp(max=self.max_tokens), (self.length - 1).clamp(min=1)
+        )
+        self.length = torch.where(proposed > 0, adapted, self.length)
+
+    def extend(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append `tokens[b, :counts[b]]` to each row's text (what room is left takes)."""
+        k = torch.arange(tokens.shape[1])
+        at = self.size[:, None] + k
+        keep = (k < counts[:, None]) & (at < self.text.shape[1])
+        rows, cols = keep.nonzero(as_tuple=True)
+        self.text[rows, at[rows, cols]] = tokens[rows, cols]
+        self.size += keep.sum(1)
 
 
 @dataclass(frozen=True)

@@ -25,25 +25,35 @@ def _run(decoder: JacobiDecoder, prompts):
     decoder.on_step = events.append
     out = decoder.decode(prompts)
     trajectories = None if out.trajectories is None else [[(b.start, b.states) for b in t] for t in out.trajectories]
-    return out.sequences, out.stats.forwards_per_row, out.stats.forward_calls, trajectories, events
+    stats = out.stats
+    return out.sequences, stats.forwards_per_row, stats.forward_calls, stats.recycled_tokens, trajectories, events
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_batch_tensor_rows_follow_the_row_by_row_rules_exactly(arch):
-    """Same tokens, forwards per row, recorded trajectories and per-step events as the row-by-row decoder, over
-    block sizes, budgets, EOS sets, fillers, ragged prompts and batch sizes."""
+    """Same tokens, forwards per row, committed candidate tokens, recorded trajectories and per-step events as the
+    row-by-row decoder, over block sizes, budgets, EOS sets, fillers, prompt lookup (AR), ragged prompts and batch
+    sizes."""
     m = tiny_model(arch)
     rng = random.Random(arch)
-    for case in range(12):
-        prompts = [[rng.randrange(1, 96) for _ in range(rng.randrange(1, 12))] for _ in range(rng.choice([1, 3, 6]))]
-        method = rng.choice(["ar", "jacobi", "jacobi"])
+    for case in range(16):
+        method = rng.choice(["ar", "jacobi", "jacobi", "ar+lookup"])
+        if method == "ar+lookup":  # phrases that repeat: copied candidates are proposed, some accepted
+            phrases = [[rng.randrange(1, 96) for _ in range(rng.randrange(1, 5))] for _ in range(2)]
+            prompts = [rng.choice(phrases) * rng.randrange(1, 4) for _ in range(rng.choice([1, 3, 6]))]
+        else:
+            prompts = [
+                [rng.randrange(1, 96) for _ in range(rng.randrange(1, 12))] for _ in range(rng.choice([1, 3, 6]))
+            ]
         config = DecodeConfig(
-            method=method,
+            method="ar" if method == "ar+lookup" else method,
             block_size=rng.choice([1, 2, 3, 5, 8, 16]),
-            max_new_tokens=rng.choice([1, 2, 7, 24]),
+            max_new_tokens=rng.choice([1, 2, 7, 24, 48]),
             filler=rng.choice(["context", "random"]),
             seed=case,
             record_trajectories=method == "jacobi" and rng.random() < 0.5,
+            lookup_tokens=rng.randrange(1, 9) if method == "ar+lookup" else 0,
+            lookup_ngram=rng.randrange(1, 4),
         )
         reference = greedy_reference(m, prompts[0], config.max_new_tokens)
         eos = rng.choice([[], [reference[len(reference) // 2]], [reference[-1], 3]])

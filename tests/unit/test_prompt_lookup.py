@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.lookup import PromptLookup, simulate
+from jfcore.decoding.lookup import BatchLookup, PromptLookup, simulate
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 
 MAX_NEW = 48
@@ -111,6 +112,39 @@ def test_candidate_length_grows_on_full_acceptance_and_shrinks_on_rejection():
     assert lookup.length == 1
     lookup.update(proposed=0, accepted=0)  # nothing proposed: nothing learnt
     assert lookup.length == 1
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    texts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=14), min_size=1, max_size=5),
+    max_ngram=st.integers(1, 4),
+    max_tokens=st.integers(1, 6),
+    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 7), st.integers(0, 6)), min_size=1, max_size=8),
+)
+def test_batch_lookup_proposes_and_adapts_like_the_index(texts, max_ngram, max_tokens, steps):
+    """Row by row, `BatchLookup` gives `PromptLookup`'s candidate, count and length, step after step: texts over
+    a 5-token vocabulary repeat, so matches of every length, overlaps with the end and wrap-around copies occur."""
+    rows = [PromptLookup(max_ngram, max_tokens, t) for t in texts]
+    batch = BatchLookup(max_ngram, max_tokens)
+    batch.add(texts, [len(steps) * 8] * len(texts))
+    for next_token, limit, accepted in steps:
+        expected = [r.propose(next_token, limit) for r in rows]
+        n = len(texts)
+        copied, count = batch.propose(torch.full((n,), next_token), torch.full((n,), limit))
+        assert [c[:k] for c, k in zip(copied.tolist(), count.tolist())] == expected
+        assert all(c[k:] == [0] * (max_tokens - k) for c, k in zip(copied.tolist(), count.tolist()))
+        taken = [min(accepted, len(e)) for e in expected]
+        committed = [[next_token, *e[:k]] for e, k in zip(expected, taken)]
+        for r, e, k, c in zip(rows, expected, taken, committed):
+            r.update(len(e), k)
+            r.extend(c)
+        batch.update(count, torch.tensor(taken))
+        width = max(len(c) for c in committed)
+        batch.extend(
+            torch.tensor([c + [0] * (width - len(c)) for c in committed]), torch.tensor([len(c) for c in committed])
+        )
+        assert batch.length.tolist() == [r.length for r in rows]
+        assert [t[:size] for t, size in zip(batch.text.tolist(), batch.size.tolist())] == [r.text for r in rows]
 
 
 @pytest.mark.parametrize(
