@@ -26,7 +26,7 @@ from tasks.trajectories import RayConfig, generate_trajectories
 from tests.support.training_jobs import CURVE, curve, kill_rank_1_at
 
 pytestmark = pytest.mark.slow
-STEPS = 24  # 16 sequences, 2 processes x 1: 8 steps an epoch, 3 epochs
+STEPS = 16  # 16 sequences, 2 processes x 1: 8 steps an epoch, 2 epochs
 LAUNCH = LaunchConfig(processes=2, deepspeed_config="zero2", threads_per_process=1)
 
 
@@ -50,7 +50,7 @@ def config(packed: Path, name: str) -> TrainConfig:
     return TrainConfig(
         data=str(packed),
         output_dir=str(packed.parent / name),
-        epochs=3,
+        epochs=2,
         learning_rate=5e-5,
         warmup_ratio=0.1,
         checkpoint_every=8,
@@ -62,8 +62,8 @@ def test_smollm2_trains_and_a_killed_run_resumes_through_prefect(packed):
     whole = run_training(config(packed, "whole"), LAUNCH, log=lambda line: None)
     records = curve(whole.folder)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    means = [sum(r["loss"] for r in records[i : i + 8]) / 8 for i in (0, 8, 16)]  # per epoch: the same 16 sequences
-    assert means[2] < means[1] < 0.8 * means[0], means
+    means = [sum(r["loss"] for r in records[i : i + 8]) / 8 for i in (0, 8)]  # per epoch: the same 16 sequences
+    assert means[1] < 0.6 * means[0], means
     throughput = sum(r["tokens_per_second"] for r in records[1:]) / (STEPS - 1)
     print(f"SmolLM2 loss by epoch {[round(m, 3) for m in means]}; {throughput:.0f} tokens/s (2 processes)")
 
