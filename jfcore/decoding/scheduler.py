@@ -67,10 +67,16 @@ class LiveBatch:
             for i, (p, m, k) in enumerate(zip(prompts, limits, keys, strict=True))
         ]
         self._admitted += len(new)
-        slots = SlotBatch(d.model, len(new), fixed_forward=d.fixed_forward)
-        tokens, valid, positions = left_pad([r.prompt for r in new], d.pad)
+        # Identical prompts (a request's n choices) are prefilled once; their rows then copy its cache row.
+        firsts: dict[tuple[int, ...], int] = {}
+        source = [firsts.setdefault(tuple(r.prompt), len(firsts)) for r in new]
+        slots = SlotBatch(d.model, len(firsts), fixed_forward=d.fixed_forward)
+        tokens, valid, positions = left_pad(list(firsts), d.pad)
         logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
         slots.keep(valid)
+        if len(firsts) < len(new):
+            slots.select_rows(source)
+            logits = logits[torch.tensor(source, device=logits.device)]
         d.vocab_size = logits.shape[-1]
         first_tokens = d.choose(logits[:, -1:], new, lambda: torch.zeros(len(new), 1, dtype=torch.long))[:, 0].tolist()
         for row, first in zip(new, first_tokens):

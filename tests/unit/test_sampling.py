@@ -146,6 +146,31 @@ def test_rows_with_their_own_settings_share_a_batch(batch_tensors, method):
         assert row.out == sample_sequentially(m, prompt, 12, sampling, sample), (sampling, sample)
 
 
+def test_identical_prompts_are_prefilled_once():
+    """A request's n choices join as identical prompts: one prefill row serves them all, and each choice still gets
+    its own sequential-sampling tokens (a greedy row beside them too)."""
+    m = tiny_model("llama")
+    prompt, other = [5, 9, 2, 7], [3, 3, 8]
+    prompts = [prompt, prompt, prompt, other, prompt]
+    sampled = Sampling(temperature=1.0, seed=3)
+    keys = [(sampled, 0), (sampled, 1), (sampled, 2), (Sampling(), 0), (Sampling(), 0)]
+    prefill_rows: list[int] = []
+    hook = m.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        live = LiveBatch(JacobiDecoder(m, DecodeConfig(method="jacobi", block_size=3, max_new_tokens=10), [], 0))
+        rows = live.add(prompts, None, keys)
+        while live.rows:
+            live.step()
+    finally:
+        hook.remove()
+    assert prefill_rows[0] == 2  # two distinct prompts
+    for row, p, (sampling, sample) in zip(rows, prompts, keys):
+        assert row.out == sample_sequentially(m, p, 10, sampling, sample), (p, sampling, sample)
+    assert len({tuple(r.out) for r in rows[:3]}) > 1  # the choices are samples of their own
+
+
 def test_a_sample_index_and_a_seed_each_change_the_tokens():
     m = tiny_model("llama")
     prompt = [5, 9, 2, 7]
