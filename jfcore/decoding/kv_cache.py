@@ -10,7 +10,8 @@ For a compiled forward the shapes must repeat and nothing the graph reads may ch
 makes every layer write its slots at a position tensor (not the Python length) and return a view of a fixed
 number of slots (a bucket); the caller masks the slots past the length. A CUDA graph also bakes in addresses, so
 storage keeps its rows when rows leave (only rows whose place changes are written) or join (written after the
-used rows) and has room for a batch padded to a bucket; `storage_key` changes whenever any storage is reallocated, which retires graphs captured on it.
+used rows) and has room for a batch padded to a bucket; `storage_key` changes whenever any storage is
+reallocated, which retires graphs captured on it.
 
 It goes through the public cache interface only: a `DynamicCache` whose full-attention layers are `SlotLayer`s
 (a `DynamicLayer` subclass); other layer kinds (sliding window, ...) keep transformers' own classes.

@@ -184,8 +184,8 @@ class SlotBatch:
         width = max(self.num_slots, other.num_slots)
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.append_rows(theirs.keys, theirs.values)
-        mine = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - self.num_slots)], dim=1)
-        self.valid = torch.cat([mine, _left_grow(other.valid, width)], dim=0)
+        ours = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - self.num_slots)], dim=1)
+        self.valid = torch.cat([ours, _left_grow(other.valid, width)], dim=0)
 
     def _maybe_compact(self) -> None:
         """Squeeze out holes once they waste a quarter of the cache (and at least 32 slots)."""

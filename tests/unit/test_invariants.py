@@ -7,8 +7,6 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from jfcore.decoding import DecodeConfig, StepEvent, decode
 from jfcore.decoding.ngram_pool import NgramPool
@@ -117,30 +115,6 @@ def test_ngram_pool_keeps_recent_distinct_continuations():
     assert pool.candidates(1, max_len=5) == [(2, 3), (5, 6)]
     assert pool.candidates(2, max_len=1) == [(3,)]
     assert pool.candidates(99, max_len=5) == []
-
-
-@given(
-    st.lists(st.lists(st.integers(0, 5), max_size=12), max_size=8),
-    st.integers(1, 4),
-    st.integers(2, 4),
-    st.integers(1, 4),
-)
-def test_ngram_pool_equals_a_most_recent_first_list(adds, size, ngram_size, max_len):
-    """The pool's table is kept in insertion order for speed; it must offer exactly what a plain list does when
-    each continuation is moved to the front and the list is cut to `size`."""
-    pool, table = NgramPool(size, ngram_size), {}
-    for tokens in adds:
-        pool.add(tokens)
-        for i in range(len(tokens) - 1):
-            gram = tuple(tokens[i + 1 : i + ngram_size])
-            entries = [g for g in table.get(tokens[i], []) if g != gram]
-            table[tokens[i]] = [gram, *entries][:size]
-        for first in range(6):
-            expected = []
-            for gram in table.get(first, []):
-                if gram[:max_len] and gram[:max_len] not in expected:
-                    expected.append(gram[:max_len])
-            assert pool.candidates(first, max_len) == expected
 
 
 def test_stops_at_first_eos_and_max_new_tokens():
