@@ -115,7 +115,7 @@ def test_step_overhead_bench_times_every_method_beside_hf_generate(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"1", "3"}
     for figures in results.values():
-        assert set(figures) == {"hf_generate", "ar", "jacobi", "multiblock"}
+        assert set(figures) == {"hf_generate", "ar", "jacobi", "multiblock", "ar+lookup"}
         hf = figures["hf_generate"]
         assert hf["steps"] == 5 and figures["ar"]["steps"] == 5  # 6 tokens: the prefill gives the first
         for f in figures.values():
