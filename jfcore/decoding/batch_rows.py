@@ -22,7 +22,7 @@ import torch
 
 from jfcore.decoding.lookup import BatchLookup
 from jfcore.decoding.result import StepEvent
-from jfcore.decoding.slots import SlotBatch
+from jfcore.decoding.slots import SlotBatch, widen
 
 
 class PlainRows:
@@ -50,7 +50,7 @@ class PlainRows:
         """Rows fresh from prefill, each with one open block and no tokens out yet."""
         n = self.d.block_size
         cap = max([self.out.shape[1], *(r.max_new_tokens + n for r in rows)])
-        self.out = _widen(self.out, cap)
+        self.out = widen(self.out, cap)
         self.draft = torch.cat(
             [self.draft, torch.tensor([r.blocks[0] + [self.d.pad] * (n - len(r.blocks[0])) for r in rows])]
         )
@@ -203,9 +203,3 @@ class PlainRows:
             filler = d.filler(row, size - 1)
             if filler:
                 self.draft[b, 1:size] = torch.tensor(filler)
-
-
-def _widen(t: torch.Tensor, cols: int) -> torch.Tensor:
-    if t.shape[1] >= cols:
-        return t
-    return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1])], dim=1)

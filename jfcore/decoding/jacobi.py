@@ -72,13 +72,10 @@ class JacobiDecoder:
         # runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor
         # ops on a CPU host (~0.7 ms with the lookup's); below it, the row-by-row rules cost less
         # (bench/step_overhead.py: about even at 8 rows, with lookup at 64). None: never.
-        plain = config.blocks_in_flight == 1 and not config.recycling
-        if plain and not config.lookup_tokens:
-            self.batch_tensors_from: int | None = BATCH_TENSOR_ROWS
-        elif plain and self.block_size == 1:
-            self.batch_tensors_from = LOOKUP_BATCH_TENSOR_ROWS
-        else:
-            self.batch_tensors_from = None
+        one_block = config.blocks_in_flight == 1 and not config.recycling
+        plain = one_block and (not config.lookup_tokens or self.block_size == 1)
+        rows_from = LOOKUP_BATCH_TENSOR_ROWS if config.lookup_tokens else BATCH_TENSOR_ROWS
+        self.batch_tensors_from: int | None = rows_from if plain else None
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jfcore.decoding.slots import host_tensor, widen
+
 
 class PromptLookup:
     """An index from every n-gram (1..max_ngram tokens) of a growing text to where it last occurred."""
@@ -88,12 +90,8 @@ class BatchLookup:
     def add(self, texts: Sequence[Sequence[int]], room: Sequence[int]) -> None:
         """Rows that join, each with its text so far and room for that many more tokens."""
         columns = max([self.text.shape[1], *(len(t) + r for t, r in zip(texts, room))])
-        rows = torch.zeros(len(texts), columns, dtype=torch.long)
-        for b, tokens in enumerate(texts):
-            rows[b, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-        grown = self.text.new_zeros(self.text.shape[0], columns)
-        grown[:, : self.text.shape[1]] = self.text
-        self.text = torch.cat([grown, rows])
+        rows = host_tensor([[*t, *[0] * (columns - len(t))] for t in texts])
+        self.text = torch.cat([widen(self.text, columns), rows])
         self.size = torch.cat([self.size, torch.tensor([len(t) for t in texts], dtype=torch.long)])
         self.length = torch.cat([self.length, torch.full((len(texts),), self.max_tokens, dtype=torch.long)])
 

@@ -251,6 +251,13 @@ def host_tensor(values: Sequence) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
+def widen(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """`t` [B, C] with zero columns appended up to `cols` (itself if it has as many)."""
+    if t.shape[1] >= cols:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1])], dim=1)
+
+
 def device_sync(device: torch.device | str) -> Callable[[], None]:
     """What waits for queued GPU work (for honest timings); nothing on CPU."""
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
