@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from jfcore.decoding.sampling import greedy_argmax
 from jfcore.decoding.slots import SlotBatch
 from jfcore.models import ModelConfig, load_model
 
@@ -66,7 +67,7 @@ class Runner:
         positions = torch.arange(self.context, self.context + q).expand(self.batch, -1)
         start = time.perf_counter()
         logits = self.slots.forward(tokens, torch.ones(self.batch, q, dtype=torch.bool), positions)
-        logits.max(-1).indices.tolist()
+        greedy_argmax(logits).tolist()
         seconds = time.perf_counter() - start
         self.slots.keep(torch.zeros(self.batch, q, dtype=torch.bool))  # the cache stays at `context`
         return seconds

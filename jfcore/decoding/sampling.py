@@ -17,6 +17,7 @@ Temperature 0 is greedy (plain argmax, no noise).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,27 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     return scores
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.max(-1).indices` (the first index of the largest value), on a CPU in two passes: each chunk's maximum
+    over the vocabulary cut into about sqrt(V) chunks, then the first index of the largest within the first chunk
+    that holds it. Values only, then one small chunk, is much cheaper there than max with indices over the whole
+    vocabulary (bench/argmax_bench.py: 1.4x at [64, 42, 2048], 3-6x at SmolLM2's 49152)."""
+    vocab = logits.shape[-1]
+    chunk = 1 << max(5, round(math.log2(vocab) / 2))
+    if logits.device.type != "cpu" or vocab < 4 * chunk or logits.numel() < 1 << 19:  # small: one pass is cheaper
+        return logits.max(-1).indices
+    whole = vocab - vocab % chunk
+    chunks = logits[..., :whole].unflatten(-1, (whole // chunk, chunk))
+    peak, first = chunks.amax(-1).max(-1)
+    inside = chunks.gather(-2, first[..., None, None].expand(*first.shape, 1, chunk)).squeeze(-2).max(-1).indices
+    index = first * chunk + inside
+    if whole == vocab:
+        return index
+    rest, at = logits[..., whole:].max(-1)  # the vocabulary's tail: it wins only if strictly larger (or a NaN)
+    later = (rest > peak) | (rest.isnan() & ~peak.isnan())
+    return torch.where(later, whole + at, index)
+
+
 def choose(
     logits: torch.Tensor,
     settings: Sequence[Sampling],
@@ -128,7 +150,7 @@ def choose(
     """Each row's token choice at every query position: logits [B, Q, V], one `Sampling` and sample index per row,
     positions [B, Q] (generated position of the token each query predicts; a callable is called only when some row
     samples, so greedy steps build none). Returns [B, Q] token ids on the host."""
-    greedy = logits.max(-1).indices  # max: argmax, faster on CPU
+    greedy = greedy_argmax(logits)
     sampled = [b for b, s in enumerate(settings) if not s.greedy]
     if not sampled:
         return greedy.cpu()

@@ -21,6 +21,7 @@ import torch
 
 from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
+from jfcore.decoding.sampling import greedy_argmax
 from jfcore.decoding.slots import SlotBatch, device_sync
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48)
@@ -94,7 +95,7 @@ def measure_curve(
             sync()
             start = time.perf_counter()
             logits = slots.forward(tokens, torch.ones(batch_size, q, dtype=torch.bool), positions)
-            logits.max(-1).indices.tolist()  # the decoder reads its predictions back: part of the step's cost
+            greedy_argmax(logits).tolist()  # the decoder reads its predictions back: part of the step's cost
             seconds = time.perf_counter() - start
             slots.keep(torch.zeros(batch_size, q, dtype=torch.bool))  # drop them: the cache stays at `context`
             if r:

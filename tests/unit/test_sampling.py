@@ -21,7 +21,16 @@ from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.reference import sample_sequentially
-from jfcore.decoding.sampling import Sampling, choose, gumbel, noise_bits, noise_bits_of, noise_keys, warp
+from jfcore.decoding.sampling import (
+    Sampling,
+    choose,
+    greedy_argmax,
+    gumbel,
+    noise_bits,
+    noise_bits_of,
+    noise_keys,
+    warp,
+)
 from jfcore.decoding.scheduler import LiveBatch
 from tests.support.tiny_models import tiny_model
 
@@ -45,6 +54,25 @@ def _config(method: str, sampling: Sampling, max_new_tokens: int) -> DecodeConfi
         top_p=sampling.top_p,
         sample_seed=sampling.seed,
     )
+
+
+@pytest.mark.parametrize("vocab", [2048, 2049, 49152, 50257])
+def test_the_two_pass_greedy_choice_is_the_first_index_of_the_largest_logit(vocab):
+    """`greedy_argmax` equals `max(-1).indices` wherever it takes its two passes (vocabularies cut evenly into
+    chunks or with a remainder), on ties (the first index wins, also across chunks and into the remainder) and
+    NaN (a NaN wins, as in `max`)."""
+    rng = random.Random(vocab)
+    rows = (1 << 19) // (4 * vocab) + 1  # enough logits for the two-pass path
+    for case in range(9):
+        logits = torch.randn(rows, 4, vocab) if case % 3 else torch.randint(0, 3, (rows, 4, vocab)).float()
+        top = logits.amax()
+        for b, q in [(0, 0), (0, 3), (rows - 1, 2)]:  # equal maxima at two places, one of them maybe the last token
+            for at in (rng.randrange(vocab), rng.choice([vocab - 1, rng.randrange(vocab)])):
+                logits[b, q, at] = top + 1
+        if case == 4:
+            logits[0, 1, rng.randrange(vocab)] = float("nan")
+            logits[0, 2, vocab - 1] = float("nan")
+        assert torch.equal(greedy_argmax(logits), logits.max(-1).indices)
 
 
 def test_the_noise_counter_is_the_plain_integer_hash():
