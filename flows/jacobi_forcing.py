@@ -24,18 +24,20 @@ flow run, with the stages' runs nested in it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 
-from flows.recipe import Recipe, Stage, chosen_stages, load_recipe
+from flows.recipe import STAGES, Recipe, Stage, chosen_stages, load_recipe
 from jfcore.config import ConfigError, to_dict
 from jfcore.contracts import TUNING
 from jfcore.lock import folder_lock
 from jfcore.models import ModelConfig, ModelLoadError, source_fingerprint
-from tasks.evaluation import EvaluationResult, evaluation_task
+from jfcore.shards import run_key
+from tasks.evaluation import MODEL_METRICS, EvaluationResult, evaluation_task, headline_method
 from tasks.packing import PackingResult, packing_task
-from tasks.registry import RegistryResult, current_champion, gate_decision, registry_task
-from tasks.tracking import ParentRun, TrackingConfig
+from tasks.registry import RegistryResult, current_champion, gate_decision, pooled, registry_task
+from tasks.tracking import ParentRun, TrackingConfig, models_link, set_model_params
 from tasks.training import TrainingResult, training_task
 from tasks.trajectories import TrajectoriesResult, trajectories_task
 from tasks.tuning import TuningResult, tuning_task
@@ -84,16 +86,58 @@ def jacobi_forcing(
     config, chosen = load_recipe(recipe), chosen_stages(stages)  # a malformed recipe fails here, before any stage
     result = PipelineResult(resolve_model_task(config.model))
     holder = f"flow run {runtime.flow_run.name or '?'} ({runtime.flow_run.id or 'no id'})"
-    tags = {"jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""), "jacobi_forcing.stages": ",".join(chosen)}
-    name = config.tracking.run_name or runtime.flow_run.name or "jacobi-forcing"
+    source = recipe if isinstance(recipe, str) else "(given as values)"
+    tags = {
+        "jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""),
+        "jacobi_forcing.stages": ",".join(chosen),
+        "jacobi_forcing.recipe": source,
+        "jacobi_forcing.recipe_digest": run_key(recipe=to_dict(config)),
+    }
+    # Readable in the runs table: the model, what ran, and the Prefect flow run it was.
+    what = "full pipeline" if list(chosen) == list(STAGES) else "+".join(chosen)
+    name = config.tracking.run_name or f"{Path(config.model.name_or_path).name}: {what} ({runtime.flow_run.name})"
     with (
         folder_lock(config.path(""), holder, config.lock_wait_s, get_run_logger().info),
         ParentRun(config.tracking, name, {"recipe": to_dict(config)}, tags) as parent,
     ):
         _chain(config, chosen, resume, parent.tracking, result)
-        if result.evaluation:
-            parent.describe(result.evaluation.markdown)
+        _summarize(parent, tags, result)
     return result
+
+
+def _summarize(parent: ParentRun, tags: dict[str, str], result: PipelineResult) -> None:
+    """The parent run's headline: the trained and the base model's pooled figures under the evaluation's headline
+    method, the registered version and the gate's decision as tags, and a description that says what happened
+    and links the experiment's Models tab, where every evaluated checkpoint compares side by side."""
+    tracking, log = parent.tracking, get_run_logger().info
+    lines, metrics, summary = [f"**{parent.name}**", f"recipe `{tags['jacobi_forcing.recipe']}`"], {}, {}
+    trained = list(result.stages.values())[-1].training if result.stages else None
+    if trained and trained.model:
+        model = trained.model
+        lines.append(f"trained model: {model['model_uri']}")
+        if model.get("registered_model"):
+            summary["jacobi_forcing.registered_version"] = f"{model['registered_model']} v{model['version']}"
+            lines[-1] += f" ({summary['jacobi_forcing.registered_version']})"
+        model_id = model["model_uri"].removeprefix("models:/")
+        set_model_params(tracking, model_id, {"recipe_digest": tags["jacobi_forcing.recipe_digest"]})
+    if result.registry:
+        summary["jacobi_forcing.gate"] = "promoted" if result.registry.promoted else "rejected"
+        lines.append(f"gate: {summary['jacobi_forcing.gate']}: {result.registry.reason}")
+    if result.nothing_changed:
+        lines.append("nothing changed: every output reused, the version already judged")
+    if result.evaluation:
+        method = headline_method(tuple({r["method"] for r in result.evaluation.table}))
+        for label in ("trained", "base"):
+            row = pooled(result.evaluation.table, label, method)
+            metrics |= {
+                f"{label}/{name}": row[column] for name, column in MODEL_METRICS.items() if row[column] is not None
+            }
+        lines.append(f"pooled figures under `{method}` decoding; per benchmark and method:")
+        lines.append(result.evaluation.markdown)
+    if link := models_link(tracking):
+        lines.insert(2, f"[compare the checkpoints side by side]({link})")
+        log(f"compare checkpoints in MLflow: {link}")
+    parent.summarize("\n\n".join(lines), metrics, summary)
 
 
 def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: TrackingConfig, result: PipelineResult):

@@ -27,5 +27,16 @@ if ! command -v bwrap >/dev/null && [ ! -x "$venv/bin/bwrap" ] && command -v apt
         rm -rf "$tmp"
     fi
 fi
+# Headless Chromium and its driver drive the MLflow UI test (tests/support/browser.py): Debian's packages, since
+# Playwright cannot download its browsers without network.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        browser=(chromium chromium-driver fonts-liberation)
+        apt-get install -y -qq --no-install-recommends "${browser[@]}" >/dev/null \
+            || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${browser[@]}" >/dev/null; }
+    else
+        echo "note: the MLflow UI test needs chromium and chromium-driver: apt-get install chromium chromium-driver"
+    fi
+fi
 "$venv/bin/python" -c 'from jfcore.evaluation.isolation import isolation_problem as p; print("code sandbox:", p() or "isolated (bubblewrap)")'
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

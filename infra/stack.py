@@ -317,6 +317,10 @@ def results() -> None:
         )
     print(found[0].data if found else "no results yet: run `prefect deployment run jacobi-forcing/full`")
     print(f"\nPrefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
+    from tasks.tracking import TrackingConfig, models_link
+
+    if link := models_link(TrackingConfig(uri=f"http://127.0.0.1:{mlflow_port}")):  # the recipes' default experiment
+        print(f"Compare checkpoints (MLflow Models tab): {link}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.contracts import EVALUATION, REPORT, RUN_FILE, SAMPLE_SCHEMA
-from jfcore.evaluation.benchmarks import Problem, load_benchmark
-from jfcore.evaluation.config import DecodingSettings, EvalConfig, EvalModel
+from jfcore.evaluation.benchmarks import Problem, benchmark_source, load_benchmark
+from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalConfig, EvalModel
 from jfcore.evaluation.isolation import IsolationUnavailable, require_isolation
 from jfcore.evaluation.report import ALL, REPORT_FILES, write_report
 from jfcore.evaluation.runner import Evaluator, fingerprints, load_models
@@ -35,9 +35,21 @@ from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
 from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
-from tasks.tracking import TrackingConfig, client, stage_run
+from tasks.tracking import (
+    DataInput,
+    TrackingConfig,
+    checkpoint_model,
+    checkpoint_params,
+    client,
+    log_data_inputs,
+    set_model_params,
+    stage_run,
+)
 
 METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
+# A checkpoint's LoggedModel metrics (name -> table column), under its headline decoding method, per benchmark.
+MODEL_METRICS = {"accuracy": "accuracy", "tpf": "tpf", "tokens_per_s": "tps", "speedup": "speedup"}
+HEADLINE_ORDER = ("tuned", "multiblock", "jacobi", "hf_prompt_lookup")
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class EvaluationResult:
     code_isolation: str | None  # how model-written programs ran (None: no code problems)
     dtypes: dict[str, str]  # model label -> the dtype it was evaluated in
     mlflow_run_id: str | None = None
+    model_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # model label -> its MLflow LoggedModel id
 
 
 class EvalWorker:
@@ -138,12 +151,31 @@ def run_evaluation(
         {label: m.model.dtype for label, m in config.models.items()},
     )
     if tracking.uri:
-        datasets = {
-            b.name: [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name] for b in config.benchmarks
-        }
-        run_id = log_evaluation(tracking, folder, config, ray_config, report, datasets, log)
-        result = dataclasses.replace(result, mlflow_run_id=run_id)
+        datasets = benchmark_inputs(config, problems)
+        run_id, model_ids = log_evaluation(tracking, folder, config, ray_config, report, datasets, prints, log)
+        result = dataclasses.replace(result, mlflow_run_id=run_id, model_ids=model_ids)
     return result
+
+
+def benchmark_inputs(config: EvalConfig, problems: list[Problem]) -> dict[str, DataInput]:
+    """Each benchmark's problems as an MLflow dataset (name, file, digest, rows), and the pooled rows' own."""
+    inputs = {}
+    for b in config.benchmarks:
+        items = [(p.id, p.prompt, p.gold) for p in problems if p.benchmark == b.name]
+        inputs[b.name] = DataInput(b.name, benchmark_source(b, config.data_dir), _digest(items), len(items), EVALUATION)
+    if len(inputs) > 1:  # the table's pooled rows
+        digest = _digest(sorted(i.digest for i in inputs.values()))
+        sources = ", ".join(i.source for i in inputs.values())
+        inputs[ALL] = DataInput(
+            ALL, f"{Path(config.output_dir).resolve()} (pooled: {sources})", digest, len(problems), EVALUATION
+        )
+    return inputs
+
+
+def headline_method(methods: tuple[str, ...]) -> str:
+    """The method a checkpoint's LoggedModel reports: its tuned decoding when evaluated, else the first of the fixed
+    ones, else the reference."""
+    return next(m for m in (*HEADLINE_ORDER, REFERENCE) if m in methods)
 
 
 def code_isolation(config: EvalConfig, problems: list[Problem], log: Callable[[str], None]) -> str | None:
@@ -170,26 +202,40 @@ def log_evaluation(
     config: EvalConfig,
     ray_config: RayConfig,
     report: dict,
-    datasets: dict[str, list],
+    datasets: dict[str, DataInput],
+    prints: dict[str, dict[str, str]],
     log: Callable[[str], None],
-) -> str:
-    """The stage's MLflow run: params, the benchmarks (name -> their problems) and the evaluated
-    MLflow models as inputs, one metric per table cell, the report folder as artifacts, the table as the
-    run's description; and each model with a `model_uri` gets its rows as metrics of its own."""
+) -> tuple[str, dict[str, str]]:
+    """The stage's MLflow run: params, the benchmarks and the evaluated models as inputs, one metric per table
+    cell, the report folder as artifacts, the table as the run's description. Every evaluated checkpoint has a
+    LoggedModel (its own MLflow model, or one made for it, the base model's included) with its params and its
+    headline figures per benchmark. Returns the run id and each model label's LoggedModel id."""
     run_id = stage_run(tracking, folder, EVALUATION, {"evaluation": to_dict(config), "ray": to_dict(ray_config)})
     record = json.loads((folder / RUN_FILE).read_text())
     mlflow = client(tracking)
     if record.get("logged"):  # a rerun of a finished evaluation logs nothing twice
         mlflow.set_terminated(run_id, "FINISHED")
-        return run_id
+        return run_id, record.get("model_ids", {})
     try:
-        _log_results(mlflow, run_id, config, report, datasets, folder / REPORT, log)
+        model_ids = {
+            label: _model_id(mlflow, m.model_uri)
+            if m.model_uri
+            else checkpoint_model(
+                tracking, f"{label} {Path(m.model.name_or_path).name}", prints[label]["model"], run_id
+            )
+            for label, m in config.models.items()
+        }
+        for label, model_id in model_ids.items():
+            set_model_params(tracking, model_id, checkpoint_params(config.models[label].model))
+        log_data_inputs(tracking, run_id, list(datasets.values()), list(model_ids.values()))
+        _log_results(mlflow, run_id, config, report, datasets, model_ids, folder / REPORT, log)
     except BaseException:
         mlflow.set_terminated(run_id, "FAILED")  # a rerun logs it again, into the same run
         raise
-    atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record | {"logged": True})))
+    record |= {"logged": True, "model_ids": model_ids}
+    atomic_write(folder / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record)))
     mlflow.set_terminated(run_id, "FINISHED")
-    return run_id
+    return run_id, model_ids
 
 
 def _log_results(
@@ -197,46 +243,40 @@ def _log_results(
     run_id: str,
     config: EvalConfig,
     report: dict,
-    datasets: dict[str, list],
+    datasets: dict[str, DataInput],
+    model_ids: dict[str, str],
     report_dir: Path,
     log: Callable[[str], None],
 ) -> None:
-    from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, Metric
+    from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     cells = [(row, name) for row in report["table"] for name in METRICS if row[name] is not None]
     metrics = [
         Metric(f"{r['benchmark']}/{r['model']}/{r['method']}/{name}", float(r[name]), now, 0) for r, name in cells
     ]
-    # Each benchmark's problems as an input dataset (the pooled rows get one of their own), and the models.
-    digests = {name: _digest(items) for name, items in datasets.items()}
-    digests[ALL] = _digest(sorted(digests.values()))
-    inputs = [
-        DatasetInput(
-            Dataset(name, digests[name], "local", f"{len(items)} problems of {name}"),
-            [InputTag("mlflow.data.context", "evaluation")],
-        )
-        for name, items in datasets.items()
-    ]
-    model_ids = {label: _model_id(mlflow, m.model_uri) for label, m in config.models.items() if m.model_uri}
-    mlflow.log_inputs(run_id, datasets=inputs, models=[LoggedModelInput(i) for i in model_ids.values()])
+    # Each checkpoint's headline figures against its LoggedModel, per benchmark dataset: the Models tab's columns.
+    method = headline_method(config.decoding.methods)
     for label, model_id in model_ids.items():
+        rows = [r for r in report["table"] if r["model"] == label and r["method"] == method]
         metrics += [
             Metric(
-                f"{r['benchmark']}/{r['method']}/{name}",
-                float(r[name]),
+                f"{r['benchmark']}/{name}",  # MLflow keys a model's metric by name, not by name and dataset
+                float(r[column]),
                 now,
                 0,
                 model_id=model_id,
                 dataset_name=r["benchmark"],
-                dataset_digest=digests[r["benchmark"]],
+                dataset_digest=datasets[r["benchmark"]].digest,
             )
-            for r, name in cells
-            if r["model"] == label
+            for r in rows
+            for name, column in MODEL_METRICS.items()
+            if r[column] is not None
         ]
-        log(f"results of {label!r} logged against MLflow model {config.models[label].model_uri} ({model_id})")
+        log(f"results of {label!r} ({method}) logged against MLflow model {model_id}")
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         mlflow.log_batch(run_id, metrics=metrics[start : start + 1000])
+    mlflow.set_tag(run_id, "jacobi_forcing.headline_method", method)
     for name in REPORT_FILES:
         mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path(EVALUATION, name).parent))
     mlflow.set_tag(run_id, "mlflow.note.content", report["markdown"])

@@ -20,7 +20,7 @@ from jfcore.packing import PackingConfig, PackingError, pack_shards
 from jfcore.shards import run_key
 from tasks.orchestration import get_run_logger, task
 from tasks.plan import StagePlan
-from tasks.tracking import TrackingConfig, record_stage
+from tasks.tracking import DataInput, TrackingConfig, record_stage
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,14 @@ def packing_stage(
     return PackingResult(str(folder), json.loads((folder / STATS).read_text()), reused=problem is None)
 
 
+def selection_input(selection: str | Path) -> DataInput:
+    """The trajectory rows a selection names, as the dataset packing reads: the store, a digest of which shard holds
+    which prompt, and the rows of those shards."""
+    chosen = Selection.read(selection)
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in chosen.files())
+    return DataInput("trajectories", chosen.store, run_key(shards=chosen.shards), rows, "trajectories")
+
+
 @task(name=PACKING)
 def packing_task(plan: StagePlan, selection: str, tracking: TrackingConfig, run: bool = True) -> PackingResult:
     """The stage in a flow, recorded in MLflow (settings, figures, stats.json) when it runs."""
@@ -92,5 +100,8 @@ def packing_task(plan: StagePlan, selection: str, tracking: TrackingConfig, run:
     if run and tracking.uri:
         figures = {k: v for k, v in result.stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         params = {"packing": asdict(plan.packing), "trajectories": selection, "folder": result.folder}
-        record_stage(tracking, plan.run_name(PACKING), PACKING, params, figures, [Path(result.folder) / STATS])
+        trajectories = [selection_input(selection)]
+        record_stage(
+            tracking, plan.run_name(PACKING), PACKING, params, figures, [Path(result.folder) / STATS], trajectories
+        )
     return result

@@ -53,7 +53,15 @@ from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
 from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
-from tasks.tracking import TrackingConfig, client, log_model_by_path, logged_model, stage_run
+from tasks.tracking import (
+    TrackingConfig,
+    client,
+    log_data_inputs,
+    log_model_by_path,
+    logged_model,
+    packed_input,
+    stage_run,
+)
 
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 # torchrun's own post-mortem starts here; the lines before it are the ranks' (the real cause)
@@ -154,6 +162,8 @@ def run_training(
     if tracking.uri:
         params = {"training": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
         run_id = stage_run(tracking, out, TRAINING, params)
+        packed = packing_stats(train.data)
+        log_data_inputs(tracking, run_id, [packed_input(train.data, packed["sequences"])])
     launch_file = out / LAUNCH_FILE
     content = {"training": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}
     atomic_write(launch_file, lambda tmp: tmp.write_text(json.dumps(content, indent=2)))

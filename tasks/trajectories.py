@@ -30,13 +30,13 @@ from jfcore.models import (
     source_fingerprint,
     tokenizer_fingerprint,
 )
-from jfcore.prompts import PromptSet, PromptSource, encode_prompts
+from jfcore.prompts import BUILTIN, PromptSet, PromptSource, builtin_prompts_path, encode_prompts
 from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
 from tasks.orchestration import get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
-from tasks.tracking import TrackingConfig, record_stage
+from tasks.tracking import DataInput, TrackingConfig, record_stage
 
 
 class TrajectoryWorker:
@@ -221,5 +221,8 @@ def trajectories_task(
             "decoded_prompts": chosen.decoded,
             "shards": len(chosen.shards),
         }
-        record_stage(tracking, plan.run_name(TRAJECTORIES), TRAJECTORIES, params, figures, [selection])
+        path = builtin_prompts_path() if plan.prompts.path == BUILTIN else Path(plan.prompts.path).expanduser()
+        source = str(path.resolve()) if path.exists() else plan.prompts.path  # else a hub id
+        prompts = DataInput("prompts", source, chosen.prompts_fingerprint, chosen.num_prompts, "prompts")
+        record_stage(tracking, plan.run_name(TRAJECTORIES), TRAJECTORIES, params, figures, [selection], [prompts])
     return result

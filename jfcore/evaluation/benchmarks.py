@@ -154,6 +154,15 @@ def _hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
         ) from err
 
 
+def benchmark_source(config: BenchmarkConfig, data_dir: str | Path | None = None) -> str:
+    """Where `load_benchmark` reads the benchmark from: a local file, or a hub id."""
+    if config.path is not None:
+        path = Path(config.path).expanduser()
+        return str(path.resolve()) if path.is_file() else config.path
+    local = Path(data_dir or default_data_dir()) / EVAL_FILES[config.name]
+    return str(local.resolve()) if local.is_file() else SPECS[config.name].hub[0]
+
+
 def load_benchmark(config: BenchmarkConfig, data_dir: str | Path | None = None) -> list[Problem]:
     """The problems of one benchmark, from `config.path`, else the shared local copy, else the hub."""
     if config.name not in SPECS:

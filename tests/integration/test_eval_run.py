@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import ray
+from mlflow.entities import LoggedModelStatus
 
 from jfcore.chat import encode_chat
 from jfcore.config import ConfigError, from_dict
@@ -20,7 +21,7 @@ from jfcore.evaluation.config import EvalConfig
 from jfcore.evaluation.isolation import IsolationUnavailable, isolation_problem
 from jfcore.evaluation.report import REPORT_FILES
 from jfcore.models import ModelConfig, ModelLoadError, load_model
-from tasks.evaluation import run_evaluation
+from tasks.evaluation import MODEL_METRICS, run_evaluation
 from tasks.ray_workers import RayConfig
 from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
 from tests.support import REPO
@@ -145,15 +146,29 @@ def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):
         f.path for folder in ("evaluation", "evaluation/plots") for f in mlflow.list_artifacts(run.info.run_id, folder)
     }
     assert {f"evaluation/{name}" for name in REPORT_FILES} <= artifacts
-    # Against the model: the run names it and the benchmarks as inputs, and the registered version's
-    # logged model carries the trained rows, one dataset per benchmark.
+    # Every evaluated checkpoint has a LoggedModel (the registered one for "trained", one made for the base model),
+    # with its params and, per benchmark dataset, its headline method's figures (multiblock here: no tune ran). The
+    # run lists both models and each benchmark (file, digest, rows) as its inputs.
     model_id = setup["logged"]["model_uri"].removeprefix("models:/")
-    assert [m.model_id for m in run.inputs.model_inputs] == [model_id]
-    assert sorted(d.dataset.name for d in run.inputs.dataset_inputs) == ["gsm8k", "humaneval"]
-    linked = {(m.key, m.dataset_name): m.value for m in mlflow.get_logged_model(model_id).metrics}
-    assert linked[("gsm8k/jacobi/tpf", "gsm8k")] == pytest.approx(row["tpf"])
-    assert ("humaneval/hf_greedy/accuracy", "humaneval") in linked and ("all/multiblock/exact", "all") in linked
-    assert len(linked) == 3 * len(METHODS) * 7  # the trained model's rows only: 3 benchmarks x 3 methods x 7 figures
+    assert result.model_ids["trained"] == model_id and result.model_ids["base"] != model_id
+    assert {m.model_id for m in run.inputs.model_inputs} == set(result.model_ids.values())
+    inputs = {d.dataset.name: d.dataset for d in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["all", "gsm8k", "humaneval"]
+    assert json.loads(inputs["gsm8k"].source)["uri"].endswith("eval/gsm8k_test.jsonl")
+    assert json.loads(inputs["humaneval"].profile) == {"num_rows": 3}
+    assert run.data.tags["jacobi_forcing.headline_method"] == "multiblock"
+    for label, logged_id in result.model_ids.items():
+        logged = mlflow.get_logged_model(logged_id)
+        linked = {(m.key, m.dataset_name, m.dataset_digest): m.value for m in logged.metrics}
+        rows = {r["benchmark"]: r for r in result.table if r["model"] == label and r["method"] == "multiblock"}
+        assert linked == {
+            (f"{b}/{name}", b, inputs[b].digest): pytest.approx(rows[b][column])
+            for b in rows
+            for name, column in MODEL_METRICS.items()
+        }
+        assert logged.params["source"] == str(setup[label]) and logged.params["training_steps"] == "0"
+    base = mlflow.get_logged_model(result.model_ids["base"])
+    assert base.name == "base base" and base.source_run_id == run.info.run_id and base.status == LoggedModelStatus.READY
 
 
 def test_a_rerun_reuses_every_shard_and_a_lost_one_is_redone(setup, evaluated):

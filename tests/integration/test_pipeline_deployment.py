@@ -6,9 +6,11 @@ stages' outputs and resumes training from its checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from jfcore.hostspeed import scaled
+from tasks.evaluation import MODEL_METRICS
 from tests.support.flow_stack import (
     REPO,
     TINY_TUNE,
@@ -247,3 +250,132 @@ def test_results_table_is_a_prefect_artifact(stack, two_runs):
     ).stdout
     assert "| gsm8k | trained | tuned |" in out and "outputs identical (every one)" in out
     assert f"MLflow UI: {stack['mlflow']}" in out
+    assert f"Compare checkpoints (MLflow Models tab): {stack['mlflow']}/#/experiments/" in out
+
+
+def _checkpoints(stack) -> tuple[object, dict[str, object]]:
+    """The experiment and its LoggedModels by name."""
+    from mlflow import MlflowClient
+
+    mlflow = MlflowClient(stack["mlflow"])
+    experiment = mlflow.get_experiment_by_name("jacobi-forcing")
+    return experiment, {m.name: m for m in mlflow.search_logged_models([experiment.experiment_id])}
+
+
+def test_checkpoints_compare_in_mlflow_with_their_params_metrics_and_datasets(stack, two_runs):
+    """Without a browser: a training experiment; the base and the trained checkpoint each a LoggedModel with its
+    params and its pooled and per-benchmark figures under the tuned decoding (equal to the evaluation run's
+    cells); the parent run readable, with headline metrics and tags; every stage run lists what it read."""
+    from mlflow import MlflowClient
+
+    mlflow = MlflowClient(stack["mlflow"])
+    experiment, models = _checkpoints(stack)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = mlflow.search_runs([experiment.experiment_id])
+    [parent] = [r for r in runs if r.data.tags.get("jacobi_forcing.flow_run_id") == two_runs["second"]]
+    nested = {r.data.tags["jacobi_forcing.stage"]: r for r in runs if r.data.tags.get("jacobi_forcing.stage")}
+    evaluation = nested["evaluation"]
+    assert evaluation.data.tags["jacobi_forcing.headline_method"] == "tuned"
+    [trained_name] = [n for n in models if n.startswith("trained ")]
+    assert set(models) == {"base base", trained_name}
+    for label, name in (("base", "base base"), ("trained", trained_name)):
+        logged = {m.key: (m.value, m.dataset_name) for m in models[name].metrics}
+        expected = {
+            f"{b}/{metric}": (evaluation.data.metrics[f"{b}/{label}/tuned/{column}"], b)
+            for b in ("gsm8k", "humaneval", "all")
+            for metric, column in MODEL_METRICS.items()
+        }
+        assert logged == expected
+        assert {"source", "trained_block_size", "training_steps", "training_folder", "tuned_decoding"} <= set(
+            models[name].params
+        )
+    trained = models[trained_name].params
+    assert trained["trained_block_size"] == "4" and trained["training_steps"] == str(STEPS)
+    assert trained["tuned_decoding"].startswith("batch 1: ")
+    assert trained["recipe_digest"] == parent.data.tags["jacobi_forcing.recipe_digest"]
+    assert models["base base"].params["training_steps"] == "0"
+    # The parent run: a readable name, the headline figures of both models, the recipe and the registered version.
+    assert parent.info.run_name == f"base: full pipeline ({prefect_flow_run_name(stack, two_runs['second'])})"
+    assert parent.data.metrics["trained/speedup"] == evaluation.data.metrics["all/trained/tuned/speedup"]
+    assert parent.data.metrics["base/accuracy"] == evaluation.data.metrics["all/base/tuned/accuracy"]
+    assert parent.data.tags["jacobi_forcing.recipe"].endswith("recipe.yaml")
+    assert parent.data.tags["jacobi_forcing.registered_version"] == "jf-pipeline-tiny v1"
+    note = parent.data.tags["mlflow.note.content"]
+    assert "[compare the checkpoints side by side](" in note and "workflowType=machine_learning" in note
+    # Each stage run names the datasets it read: the prompts, the trajectory shards, the packed data, the benchmarks.
+    read = {}
+    for stage, run in nested.items():
+        inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+        read[stage] = {(d.dataset.name, json.loads(d.dataset.profile)["num_rows"]) for d in inputs}
+    assert read["trajectories"] == {("prompts", 12)}
+    [store] = [p.parent for p in (stack["root"] / "work" / "trajectories").glob("*/manifest.json")]
+    blocks = sum(pq.read_table(f).num_rows for f in store.glob("shard-*.parquet"))  # a row per block trajectory
+    assert read["packing"] == {("trajectories", blocks)}
+    assert read["training"] == {("packed", 12)}
+    assert read["evaluation"] == {("gsm8k", 2), ("humaneval", 1), ("all", 3)}
+
+
+def prefect_flow_run_name(stack, flow_run_id: str) -> str:
+    from uuid import UUID
+
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api=stack["env"]["PREFECT_API_URL"]) as client:
+        return client.read_flow_run(UUID(flow_run_id)).name
+
+
+def test_the_mlflow_ui_opens_on_the_models_tab_and_shows_each_checkpoints_figures(stack, two_runs):
+    """In a real browser: the link the flow logs opens the experiment in Model training mode on its Models tab
+    (not MLflow's GenAI overview), and the figures the page shows for the base and the trained checkpoint are the
+    ones the MLflow client returns. With JF_UI_SCREENSHOTS=<folder> it also saves the README's screenshots."""
+    from selenium.webdriver.common.by import By
+
+    from tests.support.browser import chromium, close_assistant, models_table, wait_for
+
+    [link] = re.findall(r"compare checkpoints in MLflow: (\S+)", two_runs["logs"])
+    _, models = _checkpoints(stack)
+    shots = os.environ.get("JF_UI_SCREENSHOTS")
+    with chromium() as browser:
+        browser.get(link)
+        wait_for(browser, lambda b: "Model name" in b.page_source, 90, "the Models table")
+        close_assistant(browser)
+        body = browser.find_element(By.TAG_NAME, "body").text
+        assert "/models" in browser.current_url and "workflowType=machine_learning" in browser.current_url
+        # Model training mode: Runs and Models in the side bar, not the GenAI overview or its "Agent versions"
+        assert "Runs" in body and "Agent versions" not in body and "Overview" not in body
+        if shots:
+            Path(shots).mkdir(parents=True, exist_ok=True)
+            browser.save_screenshot(str(Path(shots) / "mlflow-models.png"))
+        table = wait_for(browser, lambda b: (t := models_table(b)) and len(t) == len(models) and t, 60, "every model")
+        expected = {f"{b}/{metric}" for b in ("gsm8k", "humaneval", "all") for metric in MODEL_METRICS}
+        for name, model in models.items():
+            shown = {key: text for key, text in table[name].items() if key in expected}
+            client_side = {m.key: m.value for m in model.metrics}
+            assert set(shown) == expected == set(client_side), name  # every figure, on the page and in MLflow
+            for key, text in shown.items():
+                assert float(text) == pytest.approx(client_side[key], rel=1e-6), (name, key)
+        if shots:
+            _screenshot_chart_and_run(browser, stack, two_runs, Path(shots))
+
+
+def _screenshot_chart_and_run(browser, stack, two_runs, folder: Path) -> None:
+    """The README's other two screenshots: the Models tab's chart view and the flow's parent run."""
+    from mlflow import MlflowClient
+    from selenium.webdriver.common.by import By
+
+    from tests.support.browser import wait_for
+
+    charts = browser.find_elements(By.CSS_SELECTOR, "[role=radiogroup] button, [role=radiogroup] label")
+    if len(charts) > 1:
+        charts[1].click()
+        time.sleep(3)
+        browser.save_screenshot(str(folder / "mlflow-models-chart.png"))
+    experiment = MlflowClient(stack["mlflow"]).get_experiment_by_name("jacobi-forcing")
+    runs = MlflowClient(stack["mlflow"]).search_runs([experiment.experiment_id])
+    [parent] = [r for r in runs if r.data.tags.get("jacobi_forcing.flow_run_id") == two_runs["second"]]
+    browser.get(
+        f"{stack['mlflow']}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
+        "?workflowType=machine_learning"
+    )
+    wait_for(browser, lambda b: "trained/speedup" in b.page_source, 60, "the parent run's metrics")
+    browser.save_screenshot(str(folder / "mlflow-parent-run.png"))
