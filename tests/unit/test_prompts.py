@@ -17,6 +17,7 @@ from jfcore.config import ConfigError, from_dict
 from jfcore.models import ModelConfig, resolve_checkpoint
 from jfcore.paths import default_data_dir
 from jfcore.prompts import PromptSource, PromptSourceError, builtin_prompts_path, encode_prompts, load_prompt_texts
+from tests.support import REPO
 
 ROWS = [{"question": f"question number {i} " + "word " * i, "qid": f"q{i}"} for i in range(10)]
 
@@ -152,7 +153,7 @@ def test_builtin_set_is_packaged_balanced_and_clean():
     texts = [t for _, t in pairs]
     assert len(set(texts)) == len(texts) and all(0 < len(t) < 300 for t in texts)
     # The committed file is what the generator writes.
-    script = builtin_prompts_path().with_name("make_builtin_prompts.py")
+    script = REPO / "tools" / "make_builtin_prompts.py"
     spec = importlib.util.spec_from_file_location("make_builtin_prompts", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""Write builtin_prompts.jsonl: the project's own short coding and math questions.
+"""Write jfcore/data/builtin_prompts.jsonl (a tool, not library code): the project's own short coding and math questions.
 
 Everything here was written for this project (not taken from any dataset or
 benchmark). Coding tasks are hand-written (function name, signature, what it
@@ -6,7 +6,7 @@ does) and rendered with a few phrasings; math questions come from ~60 templates
 filled with small numbers from a fixed seed, plus hand-written ones. The output
 is deterministic: re-running this script reproduces the committed file.
 
-    python jfcore/data/make_builtin_prompts.py [--check-against ../shared/data/eval]
+    python tools/make_builtin_prompts.py [--check-against ../shared/data/eval]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).with_name("builtin_prompts.jsonl")
+OUT = Path(__file__).resolve().parents[1] / "jfcore" / "data" / "builtin_prompts.jsonl"
 
 # (signature, what it does: a clause that follows "that ...")
 FUNCTIONS = [
