@@ -154,7 +154,7 @@ def run_training(
     deepspeed_base = load_deepspeed_config(launch.deepspeed_config)
     deepspeed_config(deepspeed_base, train, 1, False)  # refuses clashing keys before anything starts
     # Fail here, in seconds, rather than after the processes start: a missing model or foreign data.
-    packing_stats(train.data, tokenizer_fingerprint(load_tokenizer(train.model)))
+    packed = packing_stats(train.data, tokenizer_fingerprint(load_tokenizer(train.model)))
     if launch.node_rank > 0:
         return _join(train, launch, log, progress)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +162,6 @@ def run_training(
     if tracking.uri:
         params = {"training": to_dict(train), "launch": to_dict(launch), "deepspeed": deepspeed_base}
         run_id = stage_run(tracking, out, TRAINING, params)
-        packed = packing_stats(train.data)
         log_data_inputs(tracking, run_id, [packed_input(train.data, packed["sequences"])])
     launch_file = out / LAUNCH_FILE
     content = {"training": to_dict(train), "deepspeed": deepspeed_base, "tracking": to_dict(tracking), "run_id": run_id}

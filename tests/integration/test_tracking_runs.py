@@ -120,14 +120,15 @@ def test_a_checkpoint_without_an_mlflow_model_gets_one_logged_model(tracking: Tr
     }
 
 
-def test_dataset_inputs_name_their_source_digest_and_rows_once(tracking: TrackingConfig) -> None:
+def test_dataset_inputs_name_their_source_digest_and_rows_once(tracking: TrackingConfig, tmp_path: Path) -> None:
     run_id = new_run(tracking, "packing", {})
-    shards = DataInput("trajectories", "/data/store", "abc123", 42, "trajectories")
+    store = str(tmp_path / "store")  # an absolute path: a local dataset
+    shards = DataInput("trajectories", store, "abc123", 42, "trajectories")
     log_data_inputs(tracking, run_id, [shards])
     log_data_inputs(tracking, run_id, [shards, DataInput("prompts", "builtin", "p1", 7, "prompts")])  # a resume
     inputs = client(tracking).get_run(run_id).inputs.dataset_inputs
     assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("trajectories", "abc123"), ("prompts", "p1")]
     first = inputs[0]
-    assert json.loads(first.dataset.source) == {"uri": "/data/store"} and first.dataset.source_type == "local"
+    assert json.loads(first.dataset.source) == {"uri": store} and first.dataset.source_type == "local"
     assert json.loads(first.dataset.profile) == {"num_rows": 42}
     assert [(t.key, t.value) for t in first.tags] == [("mlflow.data.context", "trajectories")]
