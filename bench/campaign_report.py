@@ -1,4 +1,9 @@
-"""The campaign's results: JSON, a Markdown summary and two plots, from what the phases wrote.
+"""A campaign's results: JSON, a Markdown summary and two plots, from what the flow wrote under a recipe's work_dir.
+
+    python -m bench.campaign_report configs/campaign/smoke.yaml [--set work_dir=...]
+
+Reads only files (no MLflow): each evaluation folder's summary.json, the training runs' metrics.jsonl,
+the trajectory shards and timings.jsonl (seconds per stage the flow ran). What it reports:
 
 - learning curve: per point (base, each export, each stage's final model), training tokens and
   steps so far, and per benchmark and method: TPF, speedup over the point's own HF greedy
@@ -10,13 +15,33 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import platform
+import shlex
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from jfcore.config import ConfigError
-from jfcore.evaluation.report import ALL
+from flows.recipe import Recipe, load_recipe
+from jfcore.config import ConfigError, apply_overrides, load_file
+from jfcore.contracts import (
+    ALL,
+    CURVE,
+    EVALUATION,
+    FINAL,
+    FP32_CHECK,
+    LATEST,
+    METRICS,
+    SUMMARY,
+    TIMINGS,
+    TRAINING,
+    TRAJECTORIES,
+)
+from jfcore.environment import usable_cores
+from tasks.plan import StagePlan
+from tasks.trajectories import newest_selection
 
 PARALLEL = ("jacobi", "multiblock")
 
@@ -41,31 +66,29 @@ def sample_figures(report_dir: str | Path) -> dict[tuple[str, str, str], dict]:
     return figures
 
 
-def curve_rows(campaign, evaluation: dict, training: dict) -> list[dict]:
+def curve_rows(recipe: Recipe, curve: dict, training: dict) -> list[dict]:
     """One row per (point, benchmark, method) of the learning curve, training tokens included."""
-    from bench.campaign import curve_points
-
     tokens_before, rows = 0, []
     stage_tokens: dict[str, list[int]] = {}
-    for plan in campaign.recipe.stages():
+    for plan in recipe.stages():
         steps = training.get(plan.name, {}).get("tokens_by_step", [])
         stage_tokens[plan.name] = [tokens_before + sum(steps[:i]) for i in range(len(steps) + 1)]
         tokens_before += sum(steps)
-    for point in curve_points(campaign):
-        result = evaluation["curve"].get(point["label"])
+    for point in recipe.curve_points():
+        result = curve.get(point.label)
         if result is None:
             continue
-        cumulative = stage_tokens.get(point["stage"], [0])
-        tokens = cumulative[min(point["step"], len(cumulative) - 1)]
+        cumulative = stage_tokens.get(point.stage, [0])
+        tokens = cumulative[min(point.step, len(cumulative) - 1)]
         extra = sample_figures(result["report"])
         for row in result["table"]:
             rows.append(
                 {
-                    "point": point["label"],
-                    "stage": point["stage"],
-                    "step": point["step"],
+                    "point": point.label,
+                    "stage": point.stage,
+                    "step": point.step,
                     "train_tokens": tokens,
-                    "block_size": point["block_size"],
+                    "block_size": point.block_size,
                     **_cells(row),
                     **extra.get((row["benchmark"], row["model"], row["method"]), {}),
                 }
@@ -78,23 +101,25 @@ def _cells(row: dict) -> dict:
     return {k: row.get(k) for k in keys}
 
 
-def phase_figures(state: dict, campaign) -> dict:
-    """Seconds per phase (summed over invocations) and trajectory throughput in generated tokens/s."""
-    figures = {
-        phase: {"seconds": sum(i["seconds"] for i in runs), "invocations": len(runs)} for phase, runs in state.items()
-    }
-    from bench.campaign import latest_trajectories
-
-    for plan in campaign.recipe.stages():
-        key = f"trajectories/{plan.name}"
+def phase_figures(recipe: Recipe) -> dict:
+    """Seconds per stage the flow ran (summed over runs, from timings.jsonl) and trajectory throughput in
+    generated tokens/s."""
+    path = recipe.path(TIMINGS)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    figures: dict = {}
+    for r in records:
+        entry = figures.setdefault(r["stage"], {"seconds": 0.0, "invocations": 0})
+        entry["seconds"] += r["seconds"]
+        entry["invocations"] += 1
+    for plan in recipe.stages():
+        key = f"{TRAJECTORIES}/{plan.name}" if recipe.curriculum else TRAJECTORIES
         try:
-            folder = latest_trajectories(plan)
-            folder = folder.parent.parent if folder.is_file() else folder  # a selection file: its store
+            store = newest_selection(plan.path(TRAJECTORIES)).parent.parent
         except ConfigError:  # not generated (yet)
             continue
         generated = sum(
             sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())
-            for p in sorted(folder.glob("shard-*.parquet"))
+            for p in sorted(store.glob("shard-*.parquet"))
         )
         entry = figures.setdefault(key, {"seconds": None})
         entry["generated_tokens"] = generated
@@ -103,11 +128,104 @@ def phase_figures(state: dict, campaign) -> dict:
     return figures
 
 
-def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluation: dict, env: dict) -> str:
+def training_figures(plan: StagePlan, peak_flops: float | None) -> dict:
+    """Tokens per step and throughput from the newest run's metrics.jsonl; model FLOPs utilisation on a known
+    accelerator."""
+    run = plan.path(TRAINING) / LATEST
+    path = run / METRICS
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    figures: dict = {
+        "steps": len(rows),
+        "tokens_by_step": [r["tokens"] for r in rows],
+        "loss": [[r["step"], r["loss"], r["ar_loss"], r["consistency_loss"]] for r in rows],
+    }
+    if rows:
+        rates = sorted(r["tokens_per_second"] for r in rows[1:] or rows)
+        figures["tokens_per_second"] = rates[len(rates) // 2]  # median, the first step's warm-up left out
+        figures["tokens"] = sum(r["tokens"] for r in rows)
+        params, peak = _parameter_count(run / FINAL), peak_flops or _peak_flops()
+        if params and peak:  # 6 N FLOPs per trained token (forward + backward), attention left out
+            figures["mfu"] = 6 * params * figures["tokens_per_second"] / peak
+            figures["parameters"] = params
+    return figures
+
+
+def _parameter_count(final: Path) -> int | None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (final / "config.json").is_file():
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(final))
+    return sum(p.numel() for p in model.parameters())
+
+
+# Dense bf16 tensor-core peaks (FLOP/s), from the vendors' data sheets (SXM parts).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cores": usable_cores(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def evaluations(recipe: Recipe) -> dict:
+    """What the evaluation stage wrote: the side-by-side table, the learning curve, the float32 check."""
+
+    def summary(folder: str) -> dict:
+        path = recipe.path(folder) / SUMMARY
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    return {
+        "curve": summary(CURVE),
+        "final": summary(EVALUATION).get("base_vs_trained"),
+        "fp32_check": summary(FP32_CHECK).get("trained-fp32"),
+    }
+
+
+def markdown(
+    recipe: Recipe,
+    source: str,
+    command: str,
+    curve: list[dict],
+    phases: dict,
+    training: dict,
+    evaluation: dict,
+    env: dict,
+) -> str:
     lines = [
-        f"# Campaign `{Path(campaign.source).stem}`",
+        f"# Campaign `{Path(source).stem}`",
         "",
-        f"Reproduce: `{campaign.command}`.",
+        f"Reproduce: `{command}`, then `{command.replace('flows.run', 'bench.campaign_report', 1)}`.",
         "",
         (
             f"Machine: {env.get('gpu') or env['processor']} ({env['cores']} cores), torch {env['torch']}, "
@@ -115,7 +233,7 @@ def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluati
         ),
         "",
     ]
-    stages = campaign.recipe.stages()
+    stages = recipe.stages()
     lines += [
         "Stages: "
         + "; ".join(
@@ -124,7 +242,7 @@ def markdown(campaign, curve: list[dict], phases: dict, training: dict, evaluati
         ),
         "",
     ]
-    lines += ["## Throughput", "", "| phase | seconds | figure |", "|---|---:|---|"]
+    lines += ["## Throughput", "", "| stage | seconds | figure |", "|---|---:|---|"]
     for phase, f in phases.items():
         figure = (
             f"{f['tokens_per_second']:.0f} generated tokens/s ({f['generated_tokens']} tokens)"
@@ -240,23 +358,50 @@ def plot_speed_accuracy(curve: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(folder: Path, campaign, evaluation: dict, training: dict, state: dict, env: dict) -> dict:
+def write_report(source: str, overrides: list[str], peak_flops: float | None = None) -> Path:
+    """`work_dir/report/`: results.json, results.md and the plots, for the recipe at `source` (with `--set`
+    overrides, as the flow ran it)."""
+    recipe = load_recipe(apply_overrides(load_file(source), overrides))
+    sets = "".join(f" --set {shlex.quote(item)}" for item in overrides)
+    command = f"python -m flows.run {source}{sets}"
+    folder = recipe.path("report")
     folder.mkdir(parents=True, exist_ok=True)
-    curve = curve_rows(campaign, evaluation, training) if evaluation.get("curve") else []
-    phases = phase_figures(state, campaign)
+    evaluation, env = evaluations(recipe), environment()
+    training = {plan.name: training_figures(plan, peak_flops) for plan in recipe.stages()}
+    curve = curve_rows(recipe, evaluation["curve"], training)
+    phases = phase_figures(recipe)
     results = {
-        "profile": campaign.source,
-        "command": campaign.command,
+        "recipe": source,
+        "command": command,
         "environment": env,
         "phases": phases,
         "training": {k: {n: v for n, v in t.items() if n not in ("tokens_by_step",)} for k, t in training.items()},
         "curve": curve,
-        "final": evaluation.get("final"),
-        "fp32_check": evaluation.get("fp32_check"),
+        "final": evaluation["final"],
+        "fp32_check": evaluation["fp32_check"],
     }
     (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (folder / "results.md").write_text(markdown(campaign, curve, phases, training, evaluation, env))
+    (folder / "results.md").write_text(markdown(recipe, source, command, curve, phases, training, evaluation, env))
     if curve:
         plot_curve(curve, folder / "tpf_vs_training_tokens.png")
         plot_speed_accuracy(curve, folder / "speedup_vs_accuracy.png")
-    return results
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="the recipe the flow ran, e.g. configs/campaign/smoke.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the run's overrides")
+    parser.add_argument(
+        "--peak-flops", type=float, help="the accelerator's dense bf16 FLOP/s for MFU (default: known GPUs)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        folder = write_report(args.recipe, args.set, args.peak_flops)
+    except (ConfigError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    print(f"report: {folder / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -236,7 +236,7 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
         problems = [
             p
             for name in args.benchmarks
-            for p in load_benchmark(BenchmarkConfig(name, limit=args.limit, seed=args.seed), args.data_dir)
+            for p in load_benchmark(BenchmarkConfig(name=name, limit=args.limit, seed=args.seed), args.data_dir)
         ]
         return [Prompt(p.benchmark, p.prompt, encode_chat(tokenizer, p.prompt)) for p in problems]
     if args.prompts:

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)  # HF sampling's own generator
-    model_config = ModelConfig(args.model)
+    model_config = ModelConfig(name_or_path=args.model)
     model, tokenizer = load_model(model_config)
     eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
     prompts = [

@@ -30,7 +30,7 @@ GENEROUS = SandboxLimits(cpu_s=120, wall_s=600)
 
 
 def measure(name: str) -> list[dict]:
-    problems = [p.code for p in load_benchmark(BenchmarkConfig(name))]
+    problems = [p.code for p in load_benchmark(BenchmarkConfig(name=name))]
 
     def one(problem):
         start = time.perf_counter()

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench/results/sandbox_cost.json")
     args = parser.parse_args(argv)
 
-    problems = [p.code for p in load_benchmark(BenchmarkConfig(args.benchmark))]
+    problems = [p.code for p in load_benchmark(BenchmarkConfig(name=args.benchmark))]
     per_program: dict[str, list[float]] = {mode: [] for mode in MODES}
     for i in range(args.repeats):
         for j, problem in enumerate(problems):

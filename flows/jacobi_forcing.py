@@ -15,6 +15,7 @@ retraining"), records itself in MLflow, and returns a small typed result:
 - evaluation: the trained model, the base model and the registry's champion side
   by side on the same problems;
 - registry: the gate decides on that one table.
+The evaluation stage can also evaluate a learning curve and a float32 check (flows/recipe.py).
 When training was reused and its version already judged, the run says "nothing
 changed" and registers nothing. One flow run per work_dir at a time: a second
 waits for the first (`lock_wait_s`), then refuses. MLflow gets one parent run per
@@ -23,18 +24,32 @@ flow run, with the stages' runs nested in it.
 
 from __future__ import annotations
 
+import json
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from prefect import flow, get_run_logger, runtime, task
-
 from flows.recipe import STAGES, Recipe, Stage, chosen_stages, load_recipe
 from jfcore.config import ConfigError, to_dict
-from jfcore.contracts import TUNING
+from jfcore.contracts import (
+    CURVE,
+    FLOW_RUN_TAG,
+    FP32_CHECK,
+    GATE_TAG,
+    MODEL_METRICS,
+    RECIPE_DIGEST_TAG,
+    RECIPE_TAG,
+    REGISTERED_VERSION_TAG,
+    STAGES_TAG,
+    TIMINGS,
+    TUNING,
+)
 from jfcore.lock import folder_lock
 from jfcore.models import ModelConfig, ModelLoadError, source_fingerprint
 from jfcore.shards import run_key
-from tasks.evaluation import MODEL_METRICS, EvaluationResult, evaluation_task, headline_method
+from tasks.evaluation import EvaluationResult, evaluation_series_task, evaluation_task, headline_method
+from tasks.orchestration import flow, get_run_logger, runtime, task
 from tasks.packing import PackingResult, packing_task
 from tasks.registry import RegistryResult, current_champion, gate_decision, pooled, registry_task
 from tasks.tracking import ParentRun, TrackingConfig, models_link, set_model_params
@@ -48,8 +63,8 @@ DEFAULT_RECIPE = "configs/pipeline_smollm2_cpu.yaml"
 @dataclass(frozen=True)
 class StageResults:
     trajectories: TrajectoriesResult
-    packing: PackingResult
-    training: TrainingResult
+    packing: PackingResult | None  # None: not reached (the flow stopped before it)
+    training: TrainingResult | None
 
 
 @dataclass
@@ -58,6 +73,8 @@ class PipelineResult:
     stages: dict[str, StageResults] = field(default_factory=dict)  # by curriculum stage (one without a curriculum)
     tuning: TuningResult | None = None
     evaluation: EvaluationResult | None = None
+    learning_curve: dict[str, EvaluationResult] | None = None  # by curve point (recipe evaluation.learning_curve)
+    fp32_check: EvaluationResult | None = None
     registry: RegistryResult | None = None
     nothing_changed: bool = False  # every output reused and the version already judged: nothing registered
 
@@ -75,23 +92,29 @@ def resolve_model_task(model: ModelConfig) -> str:
 # their defaults); our own loader checks what arrives, strictly (an unknown key is an error, not dropped).
 @flow(name="jacobi-forcing", log_prints=True, validate_parameters=False)
 def jacobi_forcing(
-    recipe: Recipe | str = DEFAULT_RECIPE, stages: list[Stage] | None = None, resume: bool = True
+    recipe: Recipe | str = DEFAULT_RECIPE,
+    stages: list[Stage] | None = None,
+    resume: bool = True,
+    curriculum: list[str] | None = None,
 ) -> PipelineResult:
     """Run the pipeline a recipe describes.
 
     recipe: a YAML/JSON path (relative to the working folder) or the recipe's values.
     stages: which stages to run (default: all, in order); a skipped stage's output must already exist.
     resume: continue unfinished training runs; false starts new ones (new folders, new MLflow runs).
+    curriculum: run trajectories, packing and training for these curriculum stages only (default: all); the
+        stages before them hand on what they wrote, the ones after are left alone.
     """
     config, chosen = load_recipe(recipe), chosen_stages(stages)  # a malformed recipe fails here, before any stage
+    selected = chosen_curriculum(config, curriculum)
     result = PipelineResult(resolve_model_task(config.model))
     holder = f"flow run {runtime.flow_run.name or '?'} ({runtime.flow_run.id or 'no id'})"
     source = recipe if isinstance(recipe, str) else "(given as values)"
     tags = {
-        "jacobi_forcing.flow_run_id": str(runtime.flow_run.id or ""),
-        "jacobi_forcing.stages": ",".join(chosen),
-        "jacobi_forcing.recipe": source,
-        "jacobi_forcing.recipe_digest": run_key(recipe=to_dict(config)),
+        FLOW_RUN_TAG: str(runtime.flow_run.id or ""),
+        STAGES_TAG: ",".join(chosen),
+        RECIPE_TAG: source,
+        RECIPE_DIGEST_TAG: run_key(recipe=to_dict(config)),
     }
     # Readable in the runs table: the model, what ran, and the Prefect flow run it was.
     what = "full pipeline" if list(chosen) == list(STAGES) else "+".join(chosen)
@@ -100,7 +123,7 @@ def jacobi_forcing(
         folder_lock(config.path(""), holder, config.lock_wait_s, get_run_logger().info),
         ParentRun(config.tracking, name, {"recipe": to_dict(config)}, tags) as parent,
     ):
-        _chain(config, chosen, resume, parent.tracking, result)
+        _chain(config, chosen, selected, resume, parent.tracking, result)
         _summarize(parent, tags, result)
     return result
 
@@ -110,19 +133,19 @@ def _summarize(parent: ParentRun, tags: dict[str, str], result: PipelineResult) 
     method, the registered version and the gate's decision as tags, and a description that says what happened
     and links the experiment's Models tab, where every evaluated checkpoint compares side by side."""
     tracking, log = parent.tracking, get_run_logger().info
-    lines, metrics, summary = [f"**{parent.name}**", f"recipe `{tags['jacobi_forcing.recipe']}`"], {}, {}
+    lines, metrics, summary = [f"**{parent.name}**", f"recipe `{tags[RECIPE_TAG]}`"], {}, {}
     trained = list(result.stages.values())[-1].training if result.stages else None
     if trained and trained.model:
         model = trained.model
         lines.append(f"trained model: {model['model_uri']}")
         if model.get("registered_model"):
-            summary["jacobi_forcing.registered_version"] = f"{model['registered_model']} v{model['version']}"
-            lines[-1] += f" ({summary['jacobi_forcing.registered_version']})"
+            summary[REGISTERED_VERSION_TAG] = f"{model['registered_model']} v{model['version']}"
+            lines[-1] += f" ({summary[REGISTERED_VERSION_TAG]})"
         model_id = model["model_uri"].removeprefix("models:/")
-        set_model_params(tracking, model_id, {"recipe_digest": tags["jacobi_forcing.recipe_digest"]})
+        set_model_params(tracking, model_id, {"recipe_digest": tags[RECIPE_DIGEST_TAG]})
     if result.registry:
-        summary["jacobi_forcing.gate"] = "promoted" if result.registry.promoted else "rejected"
-        lines.append(f"gate: {summary['jacobi_forcing.gate']}: {result.registry.reason}")
+        summary[GATE_TAG] = "promoted" if result.registry.promoted else "rejected"
+        lines.append(f"gate: {summary[GATE_TAG]}: {result.registry.reason}")
     if result.nothing_changed:
         lines.append("nothing changed: every output reused, the version already judged")
     if result.evaluation:
@@ -140,7 +163,33 @@ def _summarize(parent: ParentRun, tags: dict[str, str], result: PipelineResult) 
     parent.summarize("\n\n".join(lines), metrics, summary)
 
 
-def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: TrackingConfig, result: PipelineResult):
+def chosen_curriculum(config: Recipe, names: list[str] | None) -> list[str]:
+    """The curriculum stages to run (default all); an unknown name is an error."""
+    known = [plan.name for plan in config.stages()]
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise ConfigError(f"curriculum: unknown stage {unknown[0]!r}; the recipe's stages are {', '.join(known)}")
+    return [name for name in known if name in (names or known)]
+
+
+@contextmanager
+def _timed(config: Recipe, stage: str):
+    """Append the stage's seconds to work_dir/timings.jsonl (throughput figures in bench.campaign_report)."""
+    began = time.perf_counter()
+    yield
+    record = {"stage": stage, "seconds": time.perf_counter() - began, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(config.path(TIMINGS), "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def _chain(
+    config: Recipe,
+    chosen: list[Stage],
+    selected: list[str],
+    resume: bool,
+    tracking: TrackingConfig,
+    result: PipelineResult,
+):
     log = get_run_logger()
     champion = current_champion(tracking, config.path(""))
     model = config.model
@@ -149,17 +198,42 @@ def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: Tracking
         start = f"{tracking.registered_model} v{champion.version}" if champion else "the base model (no champion yet)"
         log.info(f"retrain_from champion: training starts from {start}")
     plans = config.stages()
-    for i, plan in enumerate(plans):
+    # A stage past the last one chosen is not called, so `stages: [trajectories]` decodes and stops; a curriculum
+    # stage after the last selected one is left alone, and everything after training needs every curriculum stage.
+    last = max(STAGES.index(stage) for stage in chosen)
+    upto = max(i for i, plan in enumerate(plans) if plan.name in selected)
+    whole = upto == len(plans) - 1
+    for i, plan in enumerate(plans[: upto + 1]):
         plan = plan.starting_from(model)  # the champion, or a curriculum stage's previous export
         # Only the last stage's model is registered; earlier ones are logged in their runs.
         registered = tracking if i == len(plans) - 1 else replace(tracking, registered_model=None)
-        trajectories = trajectories_task(
-            plan, config.ray, config.prompts_per_shard, registered, "trajectories" in chosen
-        )
-        packing = packing_task(plan, trajectories.selection, registered, "packing" in chosen)
-        trained = training_task(plan, packing.folder, config.launch, registered, "training" in chosen, resume)
+
+        def runs(stage: str, plan=plan) -> bool:
+            return stage in chosen and plan.name in selected
+
+        def needed(stage: str, i=i) -> bool:  # a later curriculum stage starts from this one's trained model
+            return i < upto or STAGES.index(stage) <= last
+
+        where = f"/{plan.name}" if plan.label else ""
+        with _timed(config, f"trajectories{where}") if runs("trajectories") else nullcontext():
+            trajectories = trajectories_task(
+                plan, config.ray, config.prompts_per_shard, registered, runs("trajectories")
+            )
+        packing = trained = None
+        if needed("packing"):
+            with _timed(config, f"packing{where}") if runs("packing") else nullcontext():
+                packing = packing_task(plan, trajectories.selection, registered, runs("packing"))
+        if needed("training"):
+            with _timed(config, f"training{where}") if runs("training") else nullcontext():
+                trained = training_task(plan, packing.folder, config.launch, registered, runs("training"), resume)
+            model = replace(config.model, name_or_path=trained.final, gguf_file=None)
         result.stages[plan.name] = StageResults(trajectories, packing, trained)
-        model = replace(config.model, name_or_path=trained.final, gguf_file=None)
+    if last <= STAGES.index("training"):
+        return
+    if not whole:
+        later = [s for s in chosen if STAGES.index(s) > STAGES.index("training")]
+        log.info(f"{', '.join(later)}: not run, they need every curriculum stage (chosen: {', '.join(selected)})")
+        return
 
     reused = "training" in chosen and all(s.training.reused for s in result.stages.values())
     if tracking.registry and reused and trained.version and (decision := gate_decision(tracking, trained.version)):
@@ -168,19 +242,37 @@ def _chain(config: Recipe, chosen: list[Stage], resume: bool, tracking: Tracking
         return
     if "tuning" in chosen:
         e = config.evaluation
-        result.tuning = tuning_task(
-            model,
-            config.tuning,
-            str(config.path(TUNING)),
-            e.benchmarks,
-            e.data_dir,
-            tracking,
-            (trained.model or {}).get("model_uri"),
-            config.ray.cpus_per_worker,  # the evaluation workers' threads: the tune must hold where it is used
-        )
+        with _timed(config, "tuning"):
+            result.tuning = tuning_task(
+                model,
+                config.tuning,
+                str(config.path(TUNING)),
+                e.benchmarks,
+                e.data_dir,
+                tracking,
+                (trained.model or {}).get("model_uri"),
+                config.ray.cpus_per_worker,  # the evaluation workers' threads: the tune must hold where it is used
+            )
     if "evaluation" in chosen:
+        _evaluate(config, trained, champion, tracking, result)
+        if "registry" in chosen and tracking.registry and result.evaluation:
+            result.registry = registry_task(tracking, config.registry, trained, result.evaluation, champion)
+
+
+def _evaluate(config: Recipe, trained: TrainingResult, champion, tracking: TrackingConfig, result: PipelineResult):
+    """The side-by-side evaluation, then the learning curve and the float32 check where the recipe asks."""
+    e = config.evaluation
+    if e.base_vs_trained:
         rival = champion.rivals(trained) if champion else None
         evaluation = config.eval_config(trained.final, (trained.model or {}).get("model_uri"), rival)
-        result.evaluation = evaluation_task(evaluation, config.ray, tracking)
-        if "registry" in chosen and tracking.registry:
-            result.registry = registry_task(tracking, config.registry, trained, result.evaluation, champion)
+        with _timed(config, "evaluation"):
+            result.evaluation = evaluation_task(evaluation, config.ray, tracking)
+    if e.learning_curve:
+        with _timed(config, CURVE):
+            series = evaluation_series_task.with_options(name=CURVE)
+            result.learning_curve = series(CURVE, config.curve_configs(), config.ray, tracking)
+    if e.fp32_check:
+        with _timed(config, FP32_CHECK):
+            series = evaluation_series_task.with_options(name=FP32_CHECK)
+            checks = series(FP32_CHECK, {"trained-fp32": config.fp32_config(trained.final)}, config.ray, tracking)
+            result.fp32_check = checks["trained-fp32"]

@@ -12,6 +12,7 @@ stage's output under `work_dir`), so a recipe names only choices:
     tuning: {batch_sizes: [1], max_new_tokens: 96}  # jfcore.tuning.TuneConfig: the trained model's decoding for this machine
     launch: {processes: 2, deepspeed_config: zero2}
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
+    # optional, in evaluation: learning_curve: {benchmarks: [...], max_new_tokens: 96}; fp32_check: 4
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
     registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, require_exact: true}
     schedule: {cron: "0 3 * * 0"}
@@ -26,7 +27,12 @@ window and trains from that model, under `work_dir/<stage name>/`:
       - {name: n32, block_size: 32, window: 16, training: {learning_rate: 5.0e-6}}
 
 Without `curriculum` there is one stage, with `trajectories`, `packing` and `training` as given,
-under `work_dir/` itself. Evaluation compares the base model with the last stage's model.
+under `work_dir/` itself. Evaluation compares the base model with the last stage's model
+(`evaluation.base_vs_trained`); it can also evaluate a learning curve (`evaluation.learning_curve`:
+the base model, every training export and each stage's final model, each decoded with its stage's
+block size, under `work_dir/curve/`) and check the trained model's float32 decoding against greedy
+(`evaluation.fp32_check` problems, under `work_dir/fp32-check/`). The campaign profiles in
+configs/campaign/ are such recipes (docs/BENCHMARKS.md, "Campaigns").
 
 Each stage has one name everywhere: its recipe key, its `tasks` module, its Prefect task, its MLflow
 run and its folder under `work_dir` (jfcore.contracts).
@@ -34,13 +40,14 @@ run and its folder under `work_dir` (jfcore.contracts).
 
 from __future__ import annotations
 
+import json
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from jfcore.config import ConfigError, check, from_dict, load_file, to_dict
-from jfcore.contracts import EVALUATION, FINAL, TRAINING
+from jfcore.config import ConfigError, check, from_dict, load_file, replace_checked, to_dict
+from jfcore.contracts import CURVE, EVALUATION, EXPORT_METADATA, EXPORTS, FINAL, FP32_CHECK, LATEST, TRAINING
 from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.evaluation.config import DecodingSettings, EvalConfig, EvalModel
 from jfcore.models import ModelConfig
@@ -68,16 +75,41 @@ RENAMED = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class LearningCurve:
+    """The same problems for every point of the learning curve."""
+
+    benchmarks: tuple[BenchmarkConfig, ...]
+    max_new_tokens: int = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvePoint:
+    """One model on the learning curve."""
+
+    label: str  # base, or <stage>@<training step>
+    stage: str  # the curriculum stage it belongs to (the first one for the base model)
+    step: int  # optimizer steps of its stage behind it (0: the base model)
+    model: ModelConfig
+    block_size: int  # its stage's block size: the one it is decoded with
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvaluationSection:
-    benchmarks: tuple[BenchmarkConfig, ...] = (BenchmarkConfig("gsm8k", limit=20, seed=0),)
+    benchmarks: tuple[BenchmarkConfig, ...] = (BenchmarkConfig(name="gsm8k", limit=20, seed=0),)
     decoding: DecodingSettings = field(default_factory=DecodingSettings)
     problems_per_shard: int = 4
     data_dir: str | None = None
     unsafe_no_isolation: bool = False  # model-written programs without OS isolation (README: the sandbox)
+    base_vs_trained: bool = True  # the side-by-side evaluation the registry judges; off where the curve covers both
+    learning_curve: LearningCurve | None = None  # also evaluate the base model, every export and each stage's final
+    fp32_check: int = 0  # problems of the first benchmark the trained model decodes in float32 with every method
+
+    def __post_init__(self) -> None:
+        check(self.fp32_check >= 0, f"evaluation.fp32_check: must be >= 0, got {self.fp32_check}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     cron: str = "0 3 * * 0"  # retraining: Sundays at 03:00
     timezone: str = "UTC"
@@ -86,7 +118,7 @@ class ScheduleConfig:
         check(len(self.cron.split()) == 5, f"schedule.cron: {self.cron!r} is not a 5-field cron expression")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CurriculumStage:
     """One stage of a block-size curriculum: `block_size` and `window` over the recipe's trajectories and packing
     settings, `training` keys over the recipe's training keys."""
@@ -106,7 +138,7 @@ class CurriculumStage:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     work_dir: str  # every stage writes under it, in a folder named after the stage (jfcore.contracts)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -167,7 +199,7 @@ class Recipe:
             training = self.training | stage.training
             plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))
             # the next stage starts from this one's trained model
-            model = replace(self.model, name_or_path=str(root / stage.name / TRAINING / FINAL), gguf_file=None)
+            model = replace(self.model, name_or_path=str(root / stage.name / TRAINING / LATEST / FINAL), gguf_file=None)
         return plans
 
     def _plan(self, name, folder, model, prompts, trajectories, packing, training: dict) -> StagePlan:
@@ -176,27 +208,91 @@ class Recipe:
         return StagePlan(name, name if self.curriculum else "", folder, model, prompts, trajectories, packing, config)
 
     def final_model(self) -> str:
-        """Where the last stage exports its trained model."""
-        return str(self.stages()[-1].path(TRAINING) / FINAL)
+        """Where the last stage's newest training run exports its trained model."""
+        return str(self.stages()[-1].path(TRAINING) / LATEST / FINAL)
 
     def eval_config(
         self, trained: str, model_uri: str | None = None, champion: tuple[str, str] | None = None
     ) -> EvalConfig:
         """Base and trained model, and the champion (checkpoint folder, model URI) when given, side by side."""
-        e = self.evaluation
-        trained_model = replace(self.model, name_or_path=trained, gguf_file=None)
-        models = {"base": EvalModel(self.model), "trained": EvalModel(trained_model, model_uri)}
+        models = {
+            "base": EvalModel(model=self.model),
+            "trained": EvalModel(model=self._checkpoint(trained), model_uri=model_uri),
+        }
         if champion:
-            models["champion"] = EvalModel(replace(self.model, name_or_path=champion[0], gguf_file=None), champion[1])
+            models["champion"] = EvalModel(model=self._checkpoint(champion[0]), model_uri=champion[1])
+        return self._evaluation(EVALUATION, models, "base")
+
+    def curve_points(self) -> list[CurvePoint]:
+        """Every model on the learning curve, in training order: the base model, then each stage's exports and
+        final model, as its newest training run (`training/latest`) wrote them."""
+        plans = self.stages()
+        points = [
+            CurvePoint(
+                label="base", stage=plans[0].name, step=0, model=self.model, block_size=plans[0].trajectories.block_size
+            )
+        ]
+        for plan in plans:
+            run = (plan.path(TRAINING) / LATEST).resolve()
+            final = run / FINAL / EXPORT_METADATA
+            final_steps = json.loads(final.read_text())["steps"] if final.is_file() else None
+            steps = {
+                int(p.parent.name.removeprefix("step-")): p.parent for p in run.glob(f"{EXPORTS}/step-*/config.json")
+            }
+            if final_steps:
+                steps[final_steps] = run / FINAL  # an export at the last step is the final model
+            points += [
+                CurvePoint(
+                    label=f"{plan.name}@{step}",
+                    stage=plan.name,
+                    step=step,
+                    model=self._checkpoint(str(folder)),
+                    block_size=plan.trajectories.block_size,
+                )
+                for step, folder in sorted(steps.items())
+            ]
+        return points
+
+    def curve_configs(self) -> dict[str, EvalConfig]:
+        """Each learning-curve point's evaluation: its model alone, decoded with its stage's block size."""
+        curve = self.evaluation.learning_curve
+        check(curve is not None, "evaluation.learning_curve: not set")
+        configs = {}
+        for point in self.curve_points():
+            n = point.block_size
+            decoding = replace_checked(
+                self.evaluation.decoding, block_size=n, ngram_size=n, max_new_tokens=curve.max_new_tokens
+            )
+            configs[point.label] = self._evaluation(
+                CURVE, {point.label: EvalModel(model=point.model)}, point.label, curve.benchmarks, decoding
+            )
+        return configs
+
+    def fp32_config(self, trained: str) -> EvalConfig:
+        """The trained model in float32 on the first `fp32_check` problems of the first benchmark, every method."""
+        e = self.evaluation
+        check(e.fp32_check >= 1, "evaluation.fp32_check: not set")
+        model = replace(self._checkpoint(trained), dtype="float32")
+        benchmarks = (replace_checked(e.benchmarks[0], limit=e.fp32_check),)
+        decoding = replace_checked(e.decoding, max_new_tokens=min(e.decoding.max_new_tokens, 128))
+        return self._evaluation(
+            FP32_CHECK, {"trained-fp32": EvalModel(model=model)}, "trained-fp32", benchmarks, decoding
+        )
+
+    def _checkpoint(self, folder: str) -> ModelConfig:
+        return replace(self.model, name_or_path=folder, gguf_file=None)
+
+    def _evaluation(self, folder: str, models: dict, baseline: str, benchmarks=None, decoding=None) -> EvalConfig:
+        e = self.evaluation
         return EvalConfig(
-            str(self.path(EVALUATION)),
-            models,
-            e.benchmarks,
-            "base",
-            e.decoding,
-            e.problems_per_shard,
-            e.data_dir,
-            e.unsafe_no_isolation,
+            output_dir=str(self.path(folder)),
+            models=models,
+            benchmarks=benchmarks or e.benchmarks,
+            baseline=baseline,
+            decoding=decoding or e.decoding,
+            problems_per_shard=e.problems_per_shard,
+            data_dir=e.data_dir,
+            unsafe_no_isolation=e.unsafe_no_isolation,
         )
 
 

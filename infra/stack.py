@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from jfcore.environment import defaults
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the environment this script runs in has prefect and mlflow
 POOL = "jacobi-forcing-local"
@@ -53,14 +55,8 @@ def environment() -> dict[str, str]:
         "PREFECT_LOGGING_LEVEL": "INFO",  # stage progress and reuse lines reach the flow run's log
         "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-        "DO_NOT_TRACK": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
-        "JF_CACHE_DIR": os.environ.get("JF_CACHE_DIR", str(REPO / ".cache")),
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # set 0 to let recipes name hub models
-        "TOKENIZERS_PARALLELISM": "false",
+        **defaults(),  # quiet, offline (set HF_HUB_OFFLINE=0 to let recipes name hub models), the cache folder
     }
 
 

@@ -11,6 +11,9 @@ The stages and their folders under a recipe's `work_dir` (docs/DESIGN.md, "Stage
     training/latest                  a link to the newest training run
     tuning/<key>/                    tune.json, tune.png (the tune itself goes into final/jacobi_forcing.json)
     evaluation/<key>/                shard-NNNNN.parquet (SAMPLE_SCHEMA), manifest.json, report/
+    evaluation/summary.json          the newest evaluation's table and folders (SUMMARY; also in curve/, fp32-check/)
+    curve/<key>/, fp32-check/<key>/  a recipe's learning curve and float32 check, laid out like evaluation/
+    timings.jsonl                    one record per stage the flow ran: its name and seconds (TIMINGS)
     registry/<model>-v<version>/     the champion, downloaded once
 
 A stage folder tracked in MLflow also holds mlflow_run.json: the run a resumed stage keeps logging to.
@@ -35,6 +38,9 @@ TRAJECTORIES, PACKING, TRAINING, TUNING, EVALUATION, REGISTRY = (
     "evaluation",
     "registry",
 )
+CURVE, FP32_CHECK = "curve", "fp32-check"  # the evaluation stage's optional extra evaluations (flows/recipe.py)
+SUMMARY = "summary.json"  # in an evaluation folder: label -> the newest run's folder, report, table, exactness
+TIMINGS = "timings.jsonl"  # in work_dir: {"stage": "trajectories/n16", "seconds": ..., "finished": ...} per stage run
 
 MANIFEST = "manifest.json"  # a sharded run folder's shards, their checksums and settings
 SETS = "sets"  # in a trajectory store: one selection file per prompt set
@@ -56,6 +62,22 @@ FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopp
 LATEST = "latest"  # in a training/ folder: a link to the newest run
 
 REPORT = "report"  # in an evaluation run folder: results.md, results.json, samples.parquet, plots
+
+# Labels on results: the pooled benchmark's name in results tables, metric names, MLflow tags.
+ALL = "all"  # the benchmark label of the rows that pool every benchmark
+TABLE_METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")  # per results-table row
+# A checkpoint's LoggedModel metrics (name -> table column), under its headline decoding method, per benchmark.
+MODEL_METRICS = {"accuracy": "accuracy", "tpf": "tpf", "tokens_per_s": "tps", "speedup": "speedup"}
+TAG = "jacobi_forcing."  # every MLflow tag the pipeline sets starts with it
+STAGE_TAG = TAG + "stage"  # a stage's run: its stage name
+FLOW_RUN_TAG, STAGES_TAG = TAG + "flow_run_id", TAG + "stages"  # the parent run: its Prefect run, the stages run
+RECIPE_TAG, RECIPE_DIGEST_TAG = TAG + "recipe", TAG + "recipe_digest"  # the parent run: the recipe and its digest
+REGISTERED_VERSION_TAG, GATE_TAG = TAG + "registered_version", TAG + "gate"  # the parent run: what was registered
+HEADLINE_METHOD_TAG = TAG + "headline_method"  # an evaluation run: the method its LoggedModel metrics are under
+FINGERPRINT_TAG = TAG + "model_fingerprint"  # a checkpoint's LoggedModel that training did not log
+GATE_DECISION_TAG, GATE_REASON_TAG = TAG + "gate.decision", TAG + "gate.reason"  # a registered model version
+GATE_FIGURES_TAG = TAG + "eval."  # a registered model version: the figures the gate judged
+TUNED_TAG = TAG + "tuned."  # a tuning run: the chosen configuration per batch-size bucket
 
 TOKENS = pa.list_(pa.int32())
 

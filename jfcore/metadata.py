@@ -54,7 +54,7 @@ class TunedBucket:
         check(self.batch_size >= 1, f"batch_size: must be >= 1, got {self.batch_size}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TunedDecoding:
     machine: MachineIdentity
     buckets: tuple[TunedBucket, ...]

@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from jfcore.config import ConfigError, check
 from jfcore.contracts import EXPORT_METADATA
+from jfcore.environment import cache_dir
 
 # Bump when the converted layout changes, so old caches are not reused.
 CONVERSION_VERSION = "v1"
@@ -38,7 +39,7 @@ class ModelLoadError(OSError):
     """The model named in a config cannot be found or loaded."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name_or_path: str = "smollm2-135m-instruct"  # a preset, a hub id, a local HF checkpoint dir or a .gguf file
     gguf_file: str | None = None  # GGUF file name inside name_or_path (dir or hub repo)
@@ -90,8 +91,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def cache_root(config: ModelConfig) -> Path:
-    root = config.cache_dir or os.environ.get("JF_CACHE_DIR") or Path.home() / ".cache" / "jacobi-forcing"
-    return Path(root).expanduser() / "models"
+    return (Path(config.cache_dir).expanduser() if config.cache_dir else cache_dir()) / "models"
 
 
 def _looks_like_path(name: str) -> bool:

@@ -59,7 +59,7 @@ class PackingError(ValueError):
     """The trajectory shards cannot be packed; the message names the file or prompt and why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PackingConfig:
     """How to choose each block's noisy state and shape the packed sequences."""
 

@@ -1,15 +1,15 @@
 """Where the shared data lives, and the evaluation prompt sets in it.
 
-The one place that resolves the data folder: `$JF_SHARED_DATA` if set, else
-`shared/data` beside the repository (`<repo>/../shared/data`).
+The data folder is `$JF_SHARED_DATA` if set, else `shared/data` beside the repository
+(`<repo>/../shared/data`): jfcore.environment.shared_data_dir.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from jfcore.chat import read_jsonl
+from jfcore.environment import shared_data_dir
 
 # benchmark -> its shared copy under the data dir (jfcore.evaluation.benchmarks loads these too)
 EVAL_FILES: dict[str, str] = {
@@ -23,10 +23,7 @@ EVAL_FILES: dict[str, str] = {
 EVAL_SETS: dict[str, str] = {"gsm8k": "question", "humaneval": "prompt", "mbpp": "prompt"}
 
 
-def default_data_dir() -> Path:
-    """`$JF_SHARED_DATA`, else `<repo>/../shared/data`."""
-    env = os.environ.get("JF_SHARED_DATA")
-    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+default_data_dir = shared_data_dir
 
 
 def eval_prompts(name: str, limit: int | None = None, data_dir: str | Path | None = None) -> list[str]:

@@ -29,7 +29,7 @@ class PromptSourceError(ValueError):
     """A prompt source cannot be read or does not hold usable prompts."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptSource:
     path: str = BUILTIN  # hub dataset id, local .jsonl/.jsonl.gz/.json/.parquet file or folder, or "builtin"
     config: str | None = None  # hub config name (hub ids only)

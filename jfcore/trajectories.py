@@ -60,7 +60,7 @@ def rows_to_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrajectoryConfig:
     """How trajectories are decoded (greedy Jacobi, one block in flight)."""
 

@@ -22,18 +22,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, from_dict, to_dict
-from jfcore.contracts import EVALUATION, REPORT, RUN_FILE, SAMPLE_SCHEMA
+from jfcore.config import ConfigError, check, from_dict, to_dict
+from jfcore.contracts import (
+    ALL,
+    EVALUATION,
+    HEADLINE_METHOD_TAG,
+    MODEL_METRICS,
+    REPORT,
+    RUN_FILE,
+    SAMPLE_SCHEMA,
+    SUMMARY,
+    TABLE_METRICS,
+)
 from jfcore.evaluation.benchmarks import Problem, benchmark_source, load_benchmark
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalConfig, EvalModel
 from jfcore.evaluation.isolation import IsolationUnavailable, require_isolation
-from jfcore.evaluation.report import ALL, REPORT_FILES, write_report
+from jfcore.evaluation.report import REPORT_FILES, write_report
 from jfcore.evaluation.runner import Evaluator, fingerprints, load_models
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
-from tasks.orchestration import get_run_logger, progress_artifact, task
+from tasks.orchestration import get_run_logger, markdown_artifact, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import (
     DataInput,
@@ -46,9 +56,6 @@ from tasks.tracking import (
     stage_run,
 )
 
-METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")
-# A checkpoint's LoggedModel metrics (name -> table column), under its headline decoding method, per benchmark.
-MODEL_METRICS = {"accuracy": "accuracy", "tpf": "tpf", "tokens_per_s": "tps", "speedup": "speedup"}
 HEADLINE_ORDER = ("tuned", "multiblock", "jacobi", "hf_prompt_lookup")
 
 
@@ -251,7 +258,7 @@ def _log_results(
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    cells = [(row, name) for row in report["table"] for name in METRICS if row[name] is not None]
+    cells = [(row, name) for row in report["table"] for name in TABLE_METRICS if row[name] is not None]
     metrics = [
         Metric(f"{r['benchmark']}/{r['model']}/{r['method']}/{name}", float(r[name]), now, 0) for r, name in cells
     ]
@@ -276,7 +283,7 @@ def _log_results(
         log(f"results of {label!r} ({method}) logged against MLflow model {model_id}")
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         mlflow.log_batch(run_id, metrics=metrics[start : start + 1000])
-    mlflow.set_tag(run_id, "jacobi_forcing.headline_method", method)
+    mlflow.set_tag(run_id, HEADLINE_METHOD_TAG, method)
     for name in REPORT_FILES:
         mlflow.log_artifact(run_id, str(report_dir / name), artifact_path=str(Path(EVALUATION, name).parent))
     mlflow.set_tag(run_id, "mlflow.note.content", report["markdown"])
@@ -317,20 +324,43 @@ def _bad_input(task, task_run, state) -> bool:
     return False
 
 
+def write_summary(results: dict[str, EvaluationResult]) -> Path:
+    """`<output folder>/summary.json`: label -> the run's folder, report, table and exactness, for readers of the
+    work folder (bench.campaign_report) that have no MLflow."""
+    folders = {Path(r.folder).parent for r in results.values()}
+    check(len(folders) == 1, f"evaluation summary: the runs lie in {len(folders)} folders, expected one")
+    keys = ("folder", "report", "table", "exact", "dtypes")
+    summary = {label: {k: getattr(r, k) for k in keys} for label, r in results.items()}
+    path = folders.pop() / SUMMARY
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+    return path
+
+
 @task(name=EVALUATION, retries=1, retry_delay_seconds=5, retry_condition_fn=_bad_input)
 def evaluation_task(
     evaluation: EvalConfig, ray: RayConfig | None = None, tracking: TrackingConfig | None = None
 ) -> EvaluationResult:
     """The stage in a flow; the table also becomes a Markdown artifact of the flow run."""
-    from prefect.artifacts import create_markdown_artifact
-
     result = run_evaluation(
         evaluation, ray, tracking, log=get_run_logger().info, progress=progress_artifact(EVALUATION)
     )
-    create_markdown_artifact(
-        result.markdown, key=RESULTS_ARTIFACT, description="Evaluation: accuracy and speed of each model and method"
-    )
+    write_summary({"base_vs_trained": result})
+    markdown_artifact(result.markdown, RESULTS_ARTIFACT, "Evaluation: accuracy and speed of each model and method")
     return result
+
+
+@task(retries=1, retry_delay_seconds=5, retry_condition_fn=_bad_input)
+def evaluation_series_task(
+    name: str, configs: dict[str, EvalConfig], ray: RayConfig, tracking: TrackingConfig
+) -> dict[str, EvaluationResult]:
+    """Several evaluations in turn (a learning curve's points, the float32 check), each resumable on its own;
+    `name` labels the log lines. A retry skips the finished ones (their folders are complete)."""
+    log, results = get_run_logger().info, {}
+    for label, config in configs.items():
+        log(f"{name}: {label}")
+        results[label] = run_evaluation(config, ray, tracking, log=log)
+    write_summary(results)
+    return results
 
 
 SECTIONS = {"evaluation": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}

@@ -1,19 +1,30 @@
-"""Prefect where it is installed. Without it the stage functions in `tasks` still import and run
-(`bench.campaign` on a machine with only torch and transformers); the flow itself needs Prefect."""
+"""Prefect where it is installed. Without it (a bare GPU box with only torch and transformers) the decorators
+leave plain functions, so the flow and its stage tasks run unchanged as Python calls, logging to the
+`jacobi_forcing` logger, and the stage CLIs (`jf-train`, `jf-eval`, `jf-tune`) run too
+(docs/PIPELINE.md, "Without servers, stage by stage")."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 
 try:
-    from prefect import get_run_logger, task
-except ModuleNotFoundError:  # the decorated stage tasks stay plain functions
+    from prefect import flow, get_run_logger, runtime, task
+
+    PREFECT = True
+except ModuleNotFoundError:
+    PREFECT = False
 
     def task(*args, **kwargs) -> Callable:
-        if args and callable(args[0]):
-            return args[0]
-        return lambda function: function
+        def plain(function: Callable) -> Callable:
+            function.with_options = lambda **options: function  # a renamed task is the same function
+            return function
+
+        return plain(args[0]) if args and callable(args[0]) else plain
+
+    flow = task
+    runtime = SimpleNamespace(flow_run=SimpleNamespace(name=None, id=None))
 
     def get_run_logger() -> logging.Logger:
         return logging.getLogger("jacobi_forcing")
@@ -22,9 +33,11 @@ except ModuleNotFoundError:  # the decorated stage tasks stay plain functions
 Progress = Callable[[int, int], None]  # (done, total) of a long stage's work
 
 
-def progress_artifact(stage: str) -> Progress:
+def progress_artifact(stage: str) -> Progress | None:
     """A Prefect progress artifact (`<stage>-progress`, in the flow run's Artifacts tab), updated with (done, total).
-    Made at the first report, so a stage that had nothing to do shows none."""
+    Made at the first report, so a stage that had nothing to do shows none. None without Prefect."""
+    if not PREFECT:
+        return None
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     artifact = None
@@ -40,4 +53,12 @@ def progress_artifact(stage: str) -> Progress:
     return update
 
 
-__all__ = ["Progress", "get_run_logger", "progress_artifact", "task"]
+def markdown_artifact(markdown: str, key: str, description: str) -> None:
+    """A Markdown artifact of the flow run (its Artifacts tab); nothing without Prefect."""
+    if PREFECT:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(markdown, key=key, description=description)
+
+
+__all__ = ["Progress", "flow", "get_run_logger", "markdown_artifact", "progress_artifact", "runtime", "task"]

@@ -3,8 +3,8 @@
 Without Ray (not installed, or `address: none`), a stage runs its worker in this process, or
 with `num_workers` > 1 each worker in a spawned process of its own (several model replicas
 on one GPU keep it busy where batch-1 decoding alone would not), through the same calls
-(`worker.method.remote(...)`, `get`), so `bench.campaign` can run the stage functions on a
-machine that has only torch and transformers.
+(`worker.method.remote(...)`, `get`), so the stages run on a machine that has only torch and
+transformers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import multiprocessing
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -21,16 +20,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from jfcore.config import check
+from jfcore.environment import apply_defaults
 from jfcore.shards import ShardSpec, completed_shards, record_shard, remove_stale_temporaries
 
-# Offline and quiet: Ray must not phone home, and 2.60 turns token auth on by default.
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+apply_defaults()  # quiet: Ray must not phone home, and 2.60 turns token auth on by default
 
 NO_RAY = "none"  # RayConfig.address: run one worker in this process
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RayConfig:
     address: str | None = (
         None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster; "none": no Ray

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check
-from jfcore.contracts import REGISTRY
-from jfcore.evaluation.report import ALL
+from jfcore.contracts import ALL, GATE_DECISION_TAG, GATE_FIGURES_TAG, GATE_REASON_TAG, REGISTRY
 from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client
 
@@ -31,8 +30,6 @@ if TYPE_CHECKING:  # the registry's configs load without the evaluation and trai
     from tasks.training import TrainingResult
 
 CHALLENGER, CHAMPION = "challenger", "champion"
-TAG = "jacobi_forcing.eval."  # model version tags holding the gate's figures
-DECISION, REASON = "jacobi_forcing.gate.decision", "jacobi_forcing.gate.reason"
 PROMOTED, REJECTED = "promoted", "rejected"
 
 
@@ -55,7 +52,7 @@ class Champion:
         return None if trained.version == self.version else (self.checkpoint, self.model_uri)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateConfig:
     method: str = "tuned"  # the decoding method the models are compared under: each model's tune for this machine
     max_accuracy_drop_problems: int = 0  # the trained model may solve at most this many fewer problems than the bar
@@ -138,13 +135,13 @@ def promote(
     new = pooled(table, "trained", gate.method)
     passed, reason = decide(table, gate, f"v{champion}" if champion else None, float32)
     tags = {
-        TAG + "method": gate.method,
-        TAG + "accuracy": new["accuracy"],
-        TAG + "speedup": new["speedup"],
-        TAG + "tpf": new["tpf"],
-        TAG + "exact": new["exact"],
-        DECISION: PROMOTED if passed else REJECTED,
-        REASON: reason,
+        GATE_FIGURES_TAG + "method": gate.method,
+        GATE_FIGURES_TAG + "accuracy": new["accuracy"],
+        GATE_FIGURES_TAG + "speedup": new["speedup"],
+        GATE_FIGURES_TAG + "tpf": new["tpf"],
+        GATE_FIGURES_TAG + "exact": new["exact"],
+        GATE_DECISION_TAG: PROMOTED if passed else REJECTED,
+        GATE_REASON_TAG: reason,
     }
     for key, value in tags.items():
         mlflow.set_model_version_tag(name, version, key, str(value))
@@ -169,7 +166,7 @@ def champion_version(tracking: TrackingConfig) -> str | None:
 
 def gate_decision(tracking: TrackingConfig, version: str) -> str | None:
     """What the gate decided for `version`, if it has judged it."""
-    return client(tracking).get_model_version(tracking.registered_model, version).tags.get(DECISION)
+    return client(tracking).get_model_version(tracking.registered_model, version).tags.get(GATE_DECISION_TAG)
 
 
 def fetch_version(tracking: TrackingConfig, version: str, cache: Path) -> Path:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jfcore.config import ConfigError
+from jfcore.environment import cache_dir
 from jfcore.models import ModelConfig, ModelLoadError
 
 REGISTRY_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))")
@@ -72,7 +73,7 @@ def resolve_model(reference: str, tracking_uri: str | None) -> tuple[str, str, t
     tracking = TrackingConfig(uri=uri, registered_model=name)
     try:
         version = found["version"] or client(tracking).get_model_version_by_alias(name, found["alias"]).version
-        cache = Path(os.environ.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "served"
+        cache = cache_dir() / "served"
         checkpoint = fetch_version(tracking, version, cache)
     except MlflowException as err:
         raise ModelLoadError(f"cannot fetch {reference} from {uri}: {err.message}") from None

@@ -9,19 +9,18 @@ from pathlib import Path
 from typing import Self
 
 from jfcore.atomic import atomic_write
-from jfcore.config import check, replace_checked
-from jfcore.contracts import RUN_FILE
+from jfcore.config import ConfigError, check, replace_checked
+from jfcore.contracts import FINGERPRINT_TAG, RUN_FILE, STAGE_TAG
 
 PARAM_LIMIT = 6000  # MLflow's longest param value
 # MLflow's experiment kind: these are model training experiments ("Machine learning" in the UI), not GenAI ones.
 KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 UI_MODES = {TRAINING_KIND: "machine_learning", "genai_development": "genai"}  # kind -> the UI's workflowType
-FINGERPRINT_TAG = "jacobi_forcing.model_fingerprint"  # on a checkpoint's LoggedModel that training did not log
 # What loading a logged model needs besides the jfcore code stored with it.
 REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "numpy", "pyyaml", "gguf", "pyarrow")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
     uri: str | None = None  # http://127.0.0.1:5000, sqlite:///mlflow.db or a folder; None: no tracking
     experiment: str = "jacobi-forcing"
@@ -203,7 +202,7 @@ def stage_run(config: TrackingConfig, folder: Path, stage: str, params: dict) ->
             return saved["run_id"]
         gone = f"MLflow run {saved['run_id']} recorded in {record} was deleted or no longer exists on {config.uri}"
         print(f"warning: {gone}; starting a new run for stage {stage}", flush=True)
-    run_id = new_run(config, config.run_name or stage, params, {"jacobi_forcing.stage": stage})
+    run_id = new_run(config, config.run_name or stage, params, {STAGE_TAG: stage})
     mlflow.set_tag(run_id, "mlflow.note.content", f"output folder: {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     # A fresh record: a "model" or "logged" mark of an earlier run belonged to that run, so the new one logs again.
@@ -304,7 +303,7 @@ def record_stage(
 
     from mlflow.entities import Metric
 
-    run_id = new_run(config, run_name, params, {"jacobi_forcing.stage": stage})
+    run_id = new_run(config, run_name, params, {STAGE_TAG: stage})
     now = int(time.time() * 1000)
     values = [Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(float(v))]
     mlflow = client(config)
@@ -316,11 +315,31 @@ def record_stage(
     return run_id
 
 
+def require_server(config: TrackingConfig, timeout_s: float = 5.0) -> None:
+    """An MLflow server that does not answer fails the run at once, saying what to do, rather than after
+    MLflow's minutes of retries in the middle of a stage."""
+    if not (config.uri or "").startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{config.uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # a server answered
+    except OSError as err:  # URLError, refused, timed out
+        raise ConfigError(
+            f"tracking.uri: no MLflow server answers at {config.uri} ({getattr(err, 'reason', err)}); start one "
+            "(python infra/stack.py up), or run without MLflow: leave tracking.uri out (--set tracking.uri=null)"
+        ) from None
+
+
 class ParentRun:
     """The flow run's MLflow run, which the stages' runs nest under (`tracking`); FAILED if the flow raises.
     Without a tracking URI it is nothing, and `tracking` is the recipe's."""
 
     def __init__(self, config: TrackingConfig, name: str, params: dict, tags: dict):
+        require_server(config)
         self.config, self.name = config, name
         self.run_id = new_run(config, name, params, tags) if config.uri else None
         # the recipe's run_name names this run; the nested runs are named by their stage

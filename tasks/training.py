@@ -43,6 +43,7 @@ from jfcore.contracts import (
     METRICS,
     TRAINING,
 )
+from jfcore.environment import cache_dir, threads_per_process
 from jfcore.models import ModelLoadError, load_tokenizer, source_fingerprint, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import run_key
 from jfcore.training.checkpoints import complete_checkpoints, export_problem, read_metrics, write_export_sums
@@ -92,7 +93,7 @@ class TrainingResult:
         return None if version is None else str(version)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     processes: int | None = None  # default: one per visible GPU, else 2 CPU processes
     deepspeed_config: str = "zero2"  # a name in infra/deepspeed/ (zero0..zero3, zero3_offload) or a JSON path
@@ -243,14 +244,11 @@ def _launch(
     env = dict(os.environ)
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
-        threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // processes)
+        threads = launch.threads_per_process or threads_per_process(processes)
         env["OMP_NUM_THREADS"] = str(threads)
     root = str(Path(__file__).resolve().parents[1])  # so `-m tasks.train_worker` imports without an install
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env.setdefault(
-        "TORCH_EXTENSIONS_DIR",
-        str(Path(env.get("JF_CACHE_DIR", Path.home() / ".cache" / "jacobi-forcing")) / "torch_extensions"),
-    )
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
     clear_stale_build_locks(Path(env["TORCH_EXTENSIONS_DIR"]), log)
     command = [
         sys.executable,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
-from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNING
+from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNED_TAG, TUNING
 from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.metadata import TunedBucket, TunedDecoding, trained_block_size, tuned_decoding, tuned_keys, write_tuned
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
@@ -113,12 +113,12 @@ def _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log) ->
     atomic_write(folder / REPORT_JSON, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
     plot(record, folder / REPORT_PLOT)
     tuned = TunedDecoding(
-        machine,
-        tuple(
+        machine=machine,
+        buckets=tuple(
             TunedBucket(b.batch_size, b.chosen.config, b.chosen.predicted, b.chosen.measured) for b in result.buckets
         ),
-        time.strftime("%Y-%m-%d %H:%M:%S"),
-        str(folder),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        report=str(folder),
     )
     write_tuned(checkpoint, tuned)
     if (checkpoint.parent / EXPORT_SUMS).is_file() and checkpoint.name == FINAL:
@@ -247,9 +247,9 @@ def log_tuning(
                 Metric(f"{prefix}/confirmed{i}/speedup_predicted", point["predicted_speedup"], now, 0),
                 Metric(f"{prefix}/confirmed{i}/speedup_measured", point["measured_speedup"], now, 0),
             ]
-            mlflow.set_tag(run_id, f"jacobi_forcing.tuned.{prefix}.confirmed{i}", point["config"])
+            mlflow.set_tag(run_id, f"{TUNED_TAG}{prefix}.confirmed{i}", point["config"])
         for key, value in chosen["decoding"].items():
-            mlflow.set_tag(run_id, f"jacobi_forcing.tuned.{prefix}.{key}", str(value))
+            mlflow.set_tag(run_id, f"{TUNED_TAG}{prefix}.{key}", str(value))
     mlflow.log_batch(run_id, metrics=[m for m in metrics if not math.isnan(m.value)])
     for name in (REPORT_JSON, REPORT_PLOT):
         mlflow.log_artifact(run_id, str(folder / name), artifact_path=TUNING)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import os
 import tempfile
 
-# Before transformers is imported: never wait on a hub that cannot be reached.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Prefect and Ray: no telemetry, no token auth, and Prefect's own state in a throwaway home.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from jfcore.environment import apply_defaults
+
+# Before transformers is imported: never wait on a hub that cannot be reached; no telemetry, no Ray token auth.
+apply_defaults(offline=True)
+# Prefect's own state in a throwaway home, and only its warnings.
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="jf-prefect-"))
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
 import torch

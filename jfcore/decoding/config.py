@@ -11,7 +11,7 @@ from jfcore.decoding.sampling import Sampling
 COMPILE_MODES = ("auto", "off", "inductor", "cuda_graphs")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """How to decode. Every method is greedy and gives the same tokens.
 

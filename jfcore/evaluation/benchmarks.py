@@ -33,7 +33,7 @@ BenchmarkName = Literal["humaneval", "mbpp", "mbpp_full", "gsm8k", "math500"]
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchmarkConfig:
     name: BenchmarkName
     path: str | None = None  # a local JSONL/JSON/Parquet file, or a hub id; default: the shared copy

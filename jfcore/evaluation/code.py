@@ -19,10 +19,10 @@ busy host fails a correct program. A program over its budget gets the verdict
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
+from jfcore.environment import usable_cores
 from jfcore.evaluation.programs import extract_program
 from jfcore.evaluation.sandbox import SandboxLimits, Verdict, judge
 from jfcore.hostspeed import scaled
@@ -32,7 +32,7 @@ CPU_BUDGET_S = {"humaneval": 5.0, "mbpp": 15.0, "mbpp_full": 15.0}  # reference-
 
 def judge_workers() -> int:
     """Judges to run at once: no more than the cores this process may use, so none waits for a core."""
-    return len(os.sched_getaffinity(0))
+    return usable_cores()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ MethodName = Literal["hf_greedy", "hf_prompt_lookup", "jacobi", "multiblock", "t
 REFERENCE = "hf_greedy"  # every other method's output is compared with this one's, model by model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalModel:
     model: ModelConfig
     # The MLflow model this checkpoint was logged as ("models:/name/3", "models:/name@champion", "models:/m-...");
@@ -24,7 +24,7 @@ class EvalModel:
     model_uri: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodingSettings:
     """Every method is greedy; `jacobi` and `multiblock` share the DecodeConfig settings below (the fixed
     configuration); `tuned` reads each model's own tune (jfcore.metadata)."""
@@ -62,7 +62,7 @@ class DecodingSettings:
         return shared
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     output_dir: str  # results, per-sample shards and plots go under a folder named by the settings
     models: dict[str, EvalModel]  # label -> model, e.g. {"base": ..., "trained": ...}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from jfcore.evaluation.report import ALL
+from jfcore.contracts import ALL
 
 MARKERS = {"hf_greedy": "o", "jacobi": "s", "multiblock": "^"}
 

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from statistics import mean
 
+from jfcore.contracts import ALL
 from jfcore.evaluation.config import REFERENCE
 
-ALL = "all"  # the benchmark label of the rows that pool every benchmark
 COLUMNS = (
     "benchmark",
     "model",

@@ -9,7 +9,7 @@ from jfcore.config import check
 from jfcore.models import ModelConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """Low-rank adapters instead of full fine-tuning: only the adapters train (and hold optimizer state), with
     the same losses; the export merges them into the weights, so the result is still a plain checkpoint."""
@@ -26,7 +26,7 @@ class LoraConfig:
         check(bool(self.target_modules), "LoraConfig.target_modules: name at least one module, or 'all-linear'")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: str  # a packing output folder (packed-*.parquet + stats.json)
     output_dir: str  # checkpoints/, metrics.jsonl and the exported final/ model

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import asdict, dataclass
 
 import torch
+
+from jfcore.environment import usable_cores
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def cpu_model() -> str:
 
 def this_machine(device: str | torch.device, dtype: str | torch.dtype) -> MachineIdentity:
     device = torch.device(device)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return MachineIdentity(
         cpu=cpu_model(),

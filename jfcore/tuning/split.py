@@ -26,7 +26,7 @@ from jfcore.paths import default_data_dir
 Ask = Literal["math", "mbpp", "function", "plain"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TuningSet:
     path: str  # JSONL(.gz); a relative path is under the shared data dir
     ask: Ask = "plain"  # worded like: math (GSM8K, MATH-500), mbpp (needs test_list), function (HumanEval), plain
@@ -39,10 +39,10 @@ class TuningSet:
 
 
 DEFAULT_SPLIT = (
-    TuningSet("prompts/gsm8k_train.jsonl", ask="math"),
-    TuningSet("prompts/math_train.jsonl", ask="math"),
-    TuningSet("prompts/mbpp_train.jsonl", ask="mbpp"),
-    TuningSet("prompts/python_puzzles.jsonl"),
+    TuningSet(path="prompts/gsm8k_train.jsonl", ask="math"),
+    TuningSet(path="prompts/math_train.jsonl", ask="math"),
+    TuningSet(path="prompts/mbpp_train.jsonl", ask="mbpp"),
+    TuningSet(path="prompts/python_puzzles.jsonl"),
 )
 
 
@@ -96,7 +96,7 @@ def check_disjoint(
     """Refuse a split that shares a prompt with any of `benchmarks` (every problem of each, whatever its limit)."""
     raw = [(p, _normal(p.text)) for p in split if len(p.text.strip()) >= 20]
     for bench in benchmarks:
-        whole = BenchmarkConfig(bench.name, path=bench.path)
+        whole = BenchmarkConfig(name=bench.name, path=bench.path)
         for problem in load_benchmark(whole, data_dir):
             asked = _normal(problem.prompt)
             for prompt, text in raw:

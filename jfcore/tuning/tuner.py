@@ -31,7 +31,7 @@ from jfcore.tuning.predict import Prediction, family, predict
 from jfcore.tuning.split import DEFAULT_SPLIT, TuningSet
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TuneConfig:
     batch_sizes: tuple[int, ...] = (1,)  # buckets: a batch of b rows decodes with the smallest bucket >= b
     split: tuple[TuningSet, ...] = DEFAULT_SPLIT
@@ -101,12 +101,21 @@ def grid(config: TuneConfig, record_n: int) -> list[DecodeConfig]:
             method = "ar" if n == 1 else "jacobi"
             out.append(DecodeConfig(method=method, block_size=n, lookup_tokens=tokens, lookup_ngram=ngram))
             if n > 1 and 0 < tokens < n:  # the copy in place of the draft's guesses: the width stays n
-                out.append(DecodeConfig("jacobi", n, lookup_tokens=tokens, lookup_ngram=ngram, lookup_within=True))
+                out.append(
+                    DecodeConfig(
+                        method="jacobi", block_size=n, lookup_tokens=tokens, lookup_ngram=ngram, lookup_within=True
+                    )
+                )
     if config.multiblock and record_n > 1:
         for tokens, ngram in lookups:
             out.append(
                 DecodeConfig(
-                    "multiblock", record_n, num_blocks=2, pool_size=4, lookup_tokens=tokens, lookup_ngram=ngram
+                    method="multiblock",
+                    block_size=record_n,
+                    num_blocks=2,
+                    pool_size=4,
+                    lookup_tokens=tokens,
+                    lookup_ngram=ngram,
                 )
             )
     return out
@@ -210,10 +219,10 @@ def run_tune(
     tokens, rows = config.max_new_tokens, config.batch_size
     acceptance = greedy_pass(model, prompts, eos, pad, tokens, rows, log=log)
     if record_n > 1:
-        jacobi = DecodeConfig("jacobi", record_n)
+        jacobi = DecodeConfig(method="jacobi", block_size=record_n)
         acceptance.drafts["jacobi"] = record_drafts(model, prompts, jacobi, eos, pad, tokens, rows, log=log)
     if config.multiblock and record_n > 1 and not over(0.3, "multiblock"):
-        mb = DecodeConfig("multiblock", record_n, num_blocks=2, pool_size=4)
+        mb = DecodeConfig(method="multiblock", block_size=record_n, num_blocks=2, pool_size=4)
         acceptance.drafts["multiblock"] = record_drafts(model, prompts, mb, eos, pad, tokens, rows, log=log)
     lookup_s = lookup_host_seconds(acceptance)
     result = TuneResult(machine, acceptance)

@@ -1,4 +1,6 @@
-"""The campaign command end to end on its smoke profile, and the block-size curriculum in the campaign and the flow."""
+"""The smoke campaign: a recipe the flow runs with no servers (Prefect's temporary local server, no MLflow, no
+Ray) or without Prefect, Ray and MLflow installed, stage by stage as well as whole, and the campaign report read
+from the files it wrote."""
 
 from __future__ import annotations
 
@@ -15,82 +17,84 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.campaign import load_campaign
 from bench.tiny_model import make_tiny_model
-from flows.jacobi_forcing import jacobi_forcing
-from jfcore.config import ConfigError, to_dict
+from flows.recipe import load_recipe
 from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, load_model, model_fingerprint
 from tests.support import REPO
+
+SMOKE = "configs/campaign/smoke.yaml"
 
 
 def without_orchestration(folder: Path) -> Path:
     """This environment's packages minus Prefect, Ray and MLflow: a machine where they are not installed."""
     site = Path(next(p for p in sys.path if p.endswith("site-packages")))
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     for entry in site.iterdir():
-        if not re.match(r"(prefect|ray|mlflow)([-_.]|$)", entry.name.lower()):
+        if not re.match(r"(prefect|ray|mlflow)([-_.]|$)", entry.name.lower()) and not (folder / entry.name).exists():
             (folder / entry.name).symlink_to(entry)
     return folder
 
 
-def campaign(work: Path, *args: str) -> subprocess.CompletedProcess:
-    site = work.parent / "site-packages"
-    if not site.exists():
-        without_orchestration(site)
-    # -S: no site-packages but those on PYTHONPATH (the training processes it launches see the full environment)
-    command = [
-        sys.executable,
-        "-S",
-        "-m",
-        "bench.campaign",
-        "--profile",
-        "smoke",
-        "--set",
-        f"work_dir={work}",
-        "--set",
-        f"model.name_or_path={work / 'tiny-model'}",
-        *args,
-    ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(site)]))
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(900), check=False)
+def command(
+    module: str, work: Path, *args: str, recipe: str = SMOKE, bare: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m module recipe` on the smoke recipe in `work`; `bare`: where Prefect, Ray and MLflow are missing."""
+    sets = ["--set", f"work_dir={work}", "--set", f"model.name_or_path={work / 'tiny-model'}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_"))}
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the stages' progress lines
+    python = [sys.executable]
+    if bare:  # -S: no site-packages but those on PYTHONPATH (the training processes see the full environment)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(without_orchestration(work.parent / "site-packages"))])
+        python.append("-S")
+    return subprocess.run(
+        [*python, "-m", module, recipe, *sets, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(900),
+        check=False,
+    )
+
+
+def flow(work: Path, *args: str, bare: bool = False) -> subprocess.CompletedProcess:
+    return command("flows.run", work, *args, bare=bare)
+
+
+def timings(work: Path) -> list[str]:
+    return [json.loads(line)["stage"] for line in (work / "timings.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     work = tmp_path_factory.mktemp("campaign") / "work"
-    first = campaign(work)
+    make_tiny_model(work / "tiny-model")
+    first = flow(work)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
-    return work, first.stdout
+    report = command("bench.campaign_report", work)
+    assert report.returncode == 0, report.stderr[-4000:]
+    return work, first.stdout + first.stderr
 
 
 def fingerprint(path: Path) -> str:
-    return model_fingerprint(load_model(ModelConfig(str(path)))[0])
+    return model_fingerprint(load_model(ModelConfig(name_or_path=str(path)))[0])
 
 
-def test_every_phase_runs_without_orchestration_and_writes_the_report(smoke):
+def test_every_stage_runs_without_servers_and_the_report_reads_what_they_wrote(smoke):
     work, out = smoke
-    probe = subprocess.run(
-        [sys.executable, "-S", "-c", "import prefect"],
-        env={"PYTHONPATH": str(work.parent / "site-packages")},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert "No module named 'prefect'" in probe.stderr  # the campaign ran where Prefect is not installed
-    assert "Started a local Ray" not in out  # the profile runs each stage's worker in this process
+    assert "Starting temporary server" in out  # Prefect's own, for this run only: no server was started beforehand
+    assert "Started a local Ray" not in out  # the recipe runs each stage's worker in this process
+    assert not list(work.rglob("mlflow_run.json"))  # no tracking: nothing was logged anywhere
     assert re.search(r"step 4/4: loss [\d.]+ \(ar [\d.]+, consistency [\d.]+\), .* tokens/s, ETA", out)
     assert re.search(r"shard 2/2 done: shard-00001.parquet, \d+ rows \(\d+ s, ETA 0 s\)", out)
-    for phase in (
-        "trajectories/n4",
-        "packing/n4",
-        "training/n4",
-        "trajectories/n8",
-        "packing/n8",
-        "training/n8",
+    stages = ["trajectories", "packing", "training"]
+    assert timings(work) == [f"{s}/{c}" for c in ("n4", "n8") for s in stages] + [
+        "tuning",
         "evaluation",
-    ):
-        assert f"== {phase} done" in out
+        "curve",
+        "fp32-check",
+    ]
     report = work / "report"
     for name in ("results.json", "results.md", "tpf_vs_training_tokens.png", "speedup_vs_accuracy.png"):
         assert (report / name).stat().st_size > 0, name
@@ -104,27 +108,30 @@ def test_every_phase_runs_without_orchestration_and_writes_the_report(smoke):
     assert tokens[0] == 0 and tokens == sorted(tokens) and len(set(tokens)) == 4
     assert tokens[2] == steps["n4"]["tokens"] and tokens[3] == steps["n4"]["tokens"] + steps["n8"]["tokens"]
     assert [pooled[p]["block_size"] for p in points] == [4, 4, 4, 8]
-    # float32 decoding is lossless at every point, and in the final side-by-side evaluation and the check.
+    assert results["phases"]["trajectories/n4"]["tokens_per_second"] > 0
+    # float32 decoding is lossless at every point, and in the side-by-side evaluation and the check.
     assert all(row["exact"] == 1.0 for row in results["curve"])
     assert results["final"]["exact"]["equal"] == results["final"]["exact"]["checked"] > 0
     # one problem, decoded by the three project methods (jacobi, multiblock, tuned)
     assert results["fp32_check"]["exact"]["equal"] == results["fp32_check"]["exact"]["checked"] == 3
     markdown = (report / "results.md").read_text()
     assert "| n8@2 |" in markdown and "## Final evaluation" in markdown and "outputs identical (every one)" in markdown
+    assert f"python -m flows.run {SMOKE} --set work_dir={work}" in markdown
 
 
 def test_the_second_stage_learns_from_the_first_stages_model_on_its_own_trajectories(smoke):
     work, _ = smoke
-    first_final, base = work / "n4" / "training" / "final", work / "tiny-model"
+    first_final, base = (work / "n4" / "training" / "latest" / "final").resolve(), work / "tiny-model"
     [shard, *_] = sorted((work / "n8" / "trajectories").glob("*/shard-*.parquet"))
     table = pq.read_table(shard, columns=["model_fingerprint", "block_size"]).to_pylist()
     assert {row["block_size"] for row in table} == {8}
     assert {row["model_fingerprint"] for row in table} == {fingerprint(first_final)} != {fingerprint(base)}
-    launch = json.loads((work / "n8" / "training" / "launch.json").read_text())
+    launch = json.loads((work / "n8" / "training" / "latest" / "launch.json").read_text())
     assert launch["training"]["model"]["name_or_path"] == str(first_final)
-    assert json.loads((work / "n8" / "training" / "final" / "jacobi_forcing.json").read_text())["block_size"] == 8
+    final = work / "n8" / "training" / "latest" / "final"
+    assert json.loads((final / "jacobi_forcing.json").read_text())["block_size"] == 8
     # The export after 2 steps is a plain checkpoint of its own, between the base and the final weights.
-    export = work / "n4" / "training" / "exports" / "step-0000002"
+    export = work / "n4" / "training" / "latest" / "exports" / "step-0000002"
     assert json.loads((export / "jacobi_forcing.json").read_text())["steps"] == 2
     weights = {
         name: AutoModelForCausalLM.from_pretrained(path).state_dict()["lm_head.weight"]
@@ -133,70 +140,55 @@ def test_the_second_stage_learns_from_the_first_stages_model_on_its_own_trajecto
     assert not torch.equal(weights["base"], weights["export"]) and not torch.equal(weights["export"], weights["final"])
 
 
-def test_a_rerun_resumes_from_what_was_written(smoke):
+def test_one_stage_at_a_time_resumes_from_what_was_written_even_without_prefect(smoke):
     work, _ = smoke
+    before = len(timings(work))
     shards = sorted((work / "n4" / "trajectories").glob("*/shard-*.parquet"))
     listed = json.loads((shards[-1].parent / "manifest.json").read_text())["shards"]
     lost, total = len(listed[shards[-1].name]["keys"]), sum(len(s["keys"]) for s in listed.values())
     shards[-1].unlink()  # lost: only its prompts are decoded again
-    again = campaign(work, "--phase", "trajectories", "--stage", "n4")
+    again = flow(work, "--stages", "trajectories", "--curriculum", "n4", bare=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"{total - lost} already decoded with this model and settings (reused), {lost} to decode" in again.stdout
-    rest = campaign(work, "--phase", "training")
-    assert rest.returncode == 0, rest.stderr[-3000:]
-    assert rest.stdout.count("trained already") == 2 and "launching" not in rest.stdout
-
-
-def test_bad_profiles_fail_with_the_key_named(tmp_path):
-    with pytest.raises(ConfigError, match="profile 'nope': no file"):
-        load_campaign("nope")
-    with pytest.raises(ConfigError, match=r"campaign: unknown key 'curv' \(did you mean 'curve'\?\)"):
-        load_campaign("smoke", ["campaign.curv=1"])
-    with pytest.raises(ConfigError, match="write key=value"):
-        load_campaign("smoke", ["training.max_steps"])
-    with pytest.raises(ConfigError, match="curriculum: stage names must differ"):
-        load_campaign("smoke", ["curriculum=[{name: a, block_size: 4}, {name: a, block_size: 8}]"])
-    failed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.campaign",
-            "--profile",
-            "smoke",
-            "--stage",
-            "n64",
-            "--set",
-            f"work_dir={tmp_path}",
-        ],
-        cwd=REPO,
+    out = again.stdout + again.stderr
+    assert "Starting temporary server" not in out  # no Prefect at all: the flow ran as plain Python calls
+    probe = subprocess.run(
+        [sys.executable, "-S", "-c", "import prefect"],
+        env={"PYTHONPATH": str(work.parent / "site-packages")},
         capture_output=True,
         text=True,
-        timeout=scaled(120),
         check=False,
     )
-    assert failed.returncode == 1 and "--stage 'n64': the profile's stages are n4, n8" in failed.stderr
+    assert "No module named 'prefect'" in probe.stderr
+    assert f"{total - lost} already decoded with this model and settings (reused), {lost} to decode" in out
+    assert timings(work)[before:] == ["trajectories/n4"]  # nothing after it ran, nor the next curriculum stage
+    rest = flow(work, "--stages", "packing", "training")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    out = rest.stdout + rest.stderr
+    assert out.count("training: reused") == 2 and "launching" not in out and "is new; packing" not in out
+    assert timings(work)[before + 1 :] == ["packing/n4", "training/n4", "packing/n8", "training/n8"]
+
+
+def test_bad_input_fails_with_what_to_fix(tmp_path):
+    make_tiny_model(tmp_path / "tiny-model")
+    cases = [
+        (["--curriculum", "n64"], "curriculum: unknown stage 'n64'; the recipe's stages are n4, n8"),
+        (["--set", "evaluation.learning_curv=1"], "unknown key 'learning_curv' (did you mean 'learning_curve'?)"),
+        (["--stages", "train"], "'train' is now 'training'"),
+        (["--set", "training.max_steps"], "write key=value"),
+    ]
+    for args, message in cases:
+        failed = flow(tmp_path, *args)
+        assert failed.returncode == 1 and message in failed.stderr, (args, failed.stderr[-2000:])
+    assert not (tmp_path / "timings.jsonl").exists()  # nothing ran
+    missing = command("bench.campaign_report", tmp_path, recipe="configs/campaign/nope.yaml")
+    assert missing.returncode == 1 and "config file not found: configs/campaign/nope.yaml" in missing.stderr
 
 
 @pytest.mark.parametrize("profile", ["smoke", "cpu-long", "gpu"])
 def test_shipped_profiles_load(profile):
-    stages = load_campaign(profile).recipe.stages()
+    recipe = load_recipe(REPO / "configs" / "campaign" / f"{profile}.yaml")
+    stages = recipe.stages()
     assert [s.trajectories.block_size for s in stages] == {"smoke": [4, 8], "cpu-long": [16], "gpu": [16, 32]}[profile]
+    assert recipe.evaluation.learning_curve is not None
     for previous, stage in itertools.pairwise(stages):
-        assert stage.model.name_or_path == str(previous.path("training") / "final")
-
-
-def test_the_flow_runs_the_same_curriculum(tmp_path):
-    recipe = load_campaign("smoke", [f"work_dir={tmp_path}", f"model.name_or_path={tmp_path / 'tiny-model'}"]).recipe
-    make_tiny_model(tmp_path / "tiny-model")
-    result = jacobi_forcing(to_dict(recipe), stages=["trajectories", "packing", "training"])
-    assert list(result.stages) == ["n4", "n8"] and result.evaluation is None
-    second = result.stages["n8"].trajectories.read()  # the selection file
-    shard = Path(second.store) / next(iter(second.shards))
-    fingerprints = {row["model_fingerprint"] for row in pq.read_table(shard).to_pylist()}
-    first_final = tmp_path / "n4" / "training" / "latest" / "final"
-    assert fingerprints == {fingerprint(first_final)}
-    assert Path(result.stages["n4"].training.final) == first_final.resolve()
-    assert (tmp_path / "n8" / "training" / "latest" / "final" / "config.json").is_file()
-    assert (
-        result.stages["n8"].packing.stats["sequences"] == second.num_prompts and not result.stages["n8"].training.reused
-    )
+        assert stage.model.name_or_path == str(previous.path("training") / "latest" / "final")

@@ -15,13 +15,14 @@ from mlflow.entities import LoggedModelStatus
 
 from jfcore.chat import encode_chat
 from jfcore.config import ConfigError, from_dict
+from jfcore.contracts import MODEL_METRICS
 from jfcore.decoding.reference import hf_generate
 from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
 from jfcore.evaluation.config import EvalConfig
 from jfcore.evaluation.isolation import IsolationUnavailable, isolation_problem
 from jfcore.evaluation.report import REPORT_FILES
 from jfcore.models import ModelConfig, ModelLoadError, load_model
-from tasks.evaluation import MODEL_METRICS, run_evaluation
+from tasks.evaluation import run_evaluation
 from tasks.ray_workers import RayConfig
 from tasks.tracking import TrackingConfig, client, log_model_by_path, stage_run
 from tests.support import REPO
@@ -102,7 +103,7 @@ def test_every_model_method_and_problem_is_decoded_scored_and_exact(setup, evalu
 
 def test_stored_greedy_tokens_are_what_generate_returns(setup, evaluated):
     _, samples, _ = evaluated
-    model, tokenizer = load_model(ModelConfig(str(setup["trained"])))
+    model, tokenizer = load_model(ModelConfig(name_or_path=str(setup["trained"])))
     problems = {p.id: p for b in BENCHMARKS for p in load_benchmark(BenchmarkConfig(**b))}
     for s in [s for s in samples if s["model"] == "trained" and s["method"] == "hf_greedy"][:3]:
         prompt = encode_chat(tokenizer, problems[s["problem_id"]].prompt)

@@ -38,7 +38,7 @@ def test_smollm2_evaluation_is_lossless_and_reported(tmp_path):
     result = evaluate_flow()
     assert result.exact == {"equal": 12, "checked": 12}  # 4 problems x 3 parallel methods
     samples = pq.read_table(f"{result.report}/samples.parquet").to_pylist()
-    expected_ids = {load_benchmark(BenchmarkConfig(name, limit=1, seed=3))[0].id for name in NAMES}
+    expected_ids = {load_benchmark(BenchmarkConfig(name=name, limit=1, seed=3))[0].id for name in NAMES}
     assert {s["problem_id"] for s in samples} == expected_ids and len(samples) == 16
     assert all(s["exact"] and 0 < s["new_tokens"] <= 40 for s in samples)
     greedy = {s["problem_id"]: s["tokens"] for s in samples if s["method"] == "hf_greedy"}

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from jfcore.contracts import MODEL_METRICS
 from jfcore.hostspeed import scaled
-from tasks.evaluation import MODEL_METRICS
 from tests.support.flow_stack import (
     REPO,
     TINY_TUNE,

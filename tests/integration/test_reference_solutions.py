@@ -12,7 +12,7 @@ from jfcore.evaluation.code import judge_workers, score_completion
 
 @pytest.mark.parametrize("name, count", [("humaneval", 164), ("mbpp", 257), ("mbpp_full", 500)])
 def test_every_reference_solution_passes(name, count):
-    problems = [p.code for p in load_benchmark(BenchmarkConfig(name))]
+    problems = [p.code for p in load_benchmark(BenchmarkConfig(name=name))]
     assert len(problems) == count
     with ThreadPoolExecutor(judge_workers()) as pool:
         verdicts = list(pool.map(lambda p: score_completion(p, p.reference), problems))

@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
     folder = save_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny") / "ck", initializer_range=0.3, chat_template=TINY_CHAT_TEMPLATE
     )
-    return folder, *load_model(ModelConfig(str(folder)))
+    return folder, *load_model(ModelConfig(name_or_path=str(folder)))
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +330,7 @@ def test_smollm2_concurrent_chats_equal_greedy(tmp_path):
 
     texts = [*eval_prompts("gsm8k", limit=3), *eval_prompts("humaneval", limit=3), *eval_prompts("mbpp", limit=2)]
     budgets = [16 + 6 * i for i in range(len(texts))]
-    model, tokenizer = load_model(ModelConfig("smollm2-135m-instruct"))
+    model, tokenizer = load_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
     with jf_serve(tmp_path, "--model", "smollm2-135m-instruct", "--method", "multiblock") as url:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def smollm2():
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a real model uses every core
-    yield load_model(ModelConfig("smollm2-135m-instruct", dtype="float32"))
+    yield load_model(ModelConfig(name_or_path="smollm2-135m-instruct", dtype="float32"))
     torch.set_num_threads(threads)
 
 

@@ -39,7 +39,7 @@ def prompt_file(tmp_path_factory) -> Path:
 
 def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, ray=TWO_RAY_WORKERS):
     return generate_trajectories(
-        ModelConfig(str(tiny_checkpoint)),
+        ModelConfig(name_or_path=str(tiny_checkpoint)),
         PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
         TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
         ray,
@@ -74,7 +74,7 @@ def test_generates_resumes_and_never_duplicates(tiny_checkpoint, prompt_file, tm
     assert sum(s["rows"] for s in manifest["shards"].values()) == len(rows)
     keys = [(r["prompt_id"], r["block_index"]) for r in rows]
     assert len(set(keys)) == len(keys) and len({r["prompt_id"] for r in rows}) == NUM_PROMPTS
-    model, _ = load_model(ModelConfig(str(tiny_checkpoint)))
+    model, _ = load_model(ModelConfig(name_or_path=str(tiny_checkpoint)))
     assert {r["model_fingerprint"] for r in rows} == {model_fingerprint(model)}
     for r in rows:
         assert r["states"][-1] == r["fixed_point"] and len(r["fixed_point"]) <= 4

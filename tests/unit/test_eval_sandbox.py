@@ -22,7 +22,7 @@ QUICK = SandboxLimits(cpu_s=2, wall_s=scaled(6))
 
 
 def code_problems(name: str) -> list[CodeProblem]:
-    return [p.code for p in load_benchmark(BenchmarkConfig(name))]
+    return [p.code for p in load_benchmark(BenchmarkConfig(name=name))]
 
 
 def test_a_wrong_solution_fails_and_a_fenced_completion_passes():

@@ -33,11 +33,11 @@ def test_slowdown_is_measured_in_cpu_time_and_can_be_set(monkeypatch):
 
 def test_code_problems_get_their_benchmark_budget_scaled_to_the_host(monkeypatch):
     for name in CPU_BUDGET_S:
-        assert load_benchmark(BenchmarkConfig(name, limit=1))[0].code.cpu_budget_s == CPU_BUDGET_S[name]
+        assert load_benchmark(BenchmarkConfig(name=name, limit=1))[0].code.cpu_budget_s == CPU_BUDGET_S[name]
     monkeypatch.setenv("JF_HOST_SLOWDOWN", "0.2")  # a host 5x faster: 1 CPU second for HumanEval's 5
     hostspeed.slowdown.cache_clear()
     try:
-        problem = load_benchmark(BenchmarkConfig("humaneval", limit=1))[0]
+        problem = load_benchmark(BenchmarkConfig(name="humaneval", limit=1))[0]
         score = problem.score("while True:\n    pass\n")
         assert score.verdict == "timeout" and "its 1 s CPU budget" in score.detail, score
     finally:

@@ -88,7 +88,10 @@ def test_ar_and_eager_attention():
     m = tiny_model("llama", attn="eager")
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45]]
     expected = references(m, prompts, 30, None)
-    for config in [DecodeConfig(method="ar", max_new_tokens=30), DecodeConfig("multiblock", 8, 30)]:
+    for config in [
+        DecodeConfig(method="ar", max_new_tokens=30),
+        DecodeConfig(method="multiblock", block_size=8, max_new_tokens=30),
+    ]:
         assert decode(m, prompts, config, eos_token_id=[], pad_token_id=0).sequences == expected
 
 

@@ -77,7 +77,7 @@ def test_copied_candidates_are_accepted_and_replayed_exactly():
     # This random model falls into a loop on the second prompt, which lookup must exploit, beside or within.
     out = decode(m, [prompts[1]], DecodeConfig(method="ar", max_new_tokens=200, lookup_tokens=10), eos_token_id=[])
     assert out.stats.tpf > 5
-    within = DecodeConfig("jacobi", 6, max_new_tokens=200, lookup_tokens=5, lookup_within=True)
+    within = DecodeConfig(method="jacobi", block_size=6, max_new_tokens=200, lookup_tokens=5, lookup_within=True)
     out = decode(m, [prompts[1]], within, eos_token_id=[], on_step=lambda e: widths.extend(e.widths))
     assert out.stats.tpf > 4 and max(widths) == 6  # the copy takes the draft's place: no extra positions
 

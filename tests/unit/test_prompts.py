@@ -53,19 +53,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_local_jsonl_parquet_and_folder(tmp_path):
     jsonl = write_jsonl(tmp_path / "qs.jsonl", ROWS)
-    pairs = load_prompt_texts(PromptSource(str(jsonl), field="question"))
+    pairs = load_prompt_texts(PromptSource(path=str(jsonl), field="question"))
     assert pairs == [(f"qs:{i}", row["question"]) for i, row in enumerate(ROWS)]
-    by_id = load_prompt_texts(PromptSource(str(jsonl), field="question", id_field="qid"))
+    by_id = load_prompt_texts(PromptSource(path=str(jsonl), field="question", id_field="qid"))
     assert [i for i, _ in by_id] == [f"qs:q{i}" for i in range(10)]
 
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "qs.parquet")
-    assert load_prompt_texts(PromptSource(str(tmp_path / "qs.parquet"), field="question", id_field="qid")) == by_id
+    assert load_prompt_texts(PromptSource(path=str(tmp_path / "qs.parquet"), field="question", id_field="qid")) == by_id
 
     folder = tmp_path / "folder"
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", ROWS[:4])
     write_jsonl(folder / "b.jsonl.gz", ROWS[4:])
-    assert load_prompt_texts(PromptSource(str(folder), field="question", id_field="qid")) == [
+    assert load_prompt_texts(PromptSource(path=str(folder), field="question", id_field="qid")) == [
         (f"folder:q{i}", t) for i, (_, t) in enumerate(by_id)
     ]
 
@@ -75,37 +75,37 @@ def test_a_folder_of_files_with_other_columns_gives_each_files_prompts(tmp_path)
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", [{"question": "q0", "answer": "1"}, {"question": "q1", "answer": "2"}])
     write_jsonl(folder / "b.jsonl", [{"question": "q2", "tests": ["assert f()"], "name": "x"}])
-    assert load_prompt_texts(PromptSource(str(folder), field="question")) == [
+    assert load_prompt_texts(PromptSource(path=str(folder), field="question")) == [
         ("mixed:0", "q0"),
         ("mixed:1", "q1"),
         ("mixed:2", "q2"),
     ]
     write_jsonl(folder / "c.jsonl", [{"text": "no question here"}])
     with pytest.raises(PromptSourceError, match=r"c.jsonl has no column 'question'; available: text"):
-        load_prompt_texts(PromptSource(str(folder), field="question"))
+        load_prompt_texts(PromptSource(path=str(folder), field="question"))
 
 
 def test_the_shared_prompt_folder_loads_whole():
-    prompts = load_prompt_texts(PromptSource(str(default_data_dir() / "prompts")))
+    prompts = load_prompt_texts(PromptSource(path=str(default_data_dir() / "prompts")))
     assert len(prompts) == 7471 + 4480 + 456 + 1715 and len({t for _, t in prompts}) > 14000
 
 
 def test_shuffle_and_limit_are_deterministic(tmp_path):
     path = str(write_jsonl(tmp_path / "qs.jsonl", ROWS))
-    first = load_prompt_texts(PromptSource(path, field="question", shuffle_seed=3, limit=4))
-    assert first == load_prompt_texts(PromptSource(path, field="question", shuffle_seed=3, limit=4))
-    assert first != load_prompt_texts(PromptSource(path, field="question", shuffle_seed=4, limit=4))
-    assert len(first) == 4 and first != load_prompt_texts(PromptSource(path, field="question", limit=4))
+    first = load_prompt_texts(PromptSource(path=path, field="question", shuffle_seed=3, limit=4))
+    assert first == load_prompt_texts(PromptSource(path=path, field="question", shuffle_seed=3, limit=4))
+    assert first != load_prompt_texts(PromptSource(path=path, field="question", shuffle_seed=4, limit=4))
+    assert len(first) == 4 and first != load_prompt_texts(PromptSource(path=path, field="question", limit=4))
     for prompt_id, text in first:  # ids keep the row index of the source, whatever the order
         assert text == ROWS[int(prompt_id.split(":")[1])]["question"]
-    assert load_prompt_texts(PromptSource(path, field="question", limit=3)) == [
+    assert load_prompt_texts(PromptSource(path=path, field="question", limit=3)) == [
         (f"qs:{i}", ROWS[i]["question"]) for i in range(3)
     ]
 
 
 def test_too_long_prompts_are_skipped_and_counted(tmp_path, words):
     path = str(write_jsonl(tmp_path / "qs.jsonl", ROWS))  # row i has 3 + i words
-    prompts = encode_prompts(PromptSource(path, field="question", max_prompt_tokens=7), words)
+    prompts = encode_prompts(PromptSource(path=path, field="question", max_prompt_tokens=7), words)
     assert prompts.skipped_too_long == 5 and prompts.ids == [f"qs:{i}" for i in range(5)]
     assert [len(t) for t in prompts.token_ids] == [3, 4, 5, 6, 7]  # whole, never truncated
     assert prompts.token_ids[2] == [1, 2, 0, 3, 3]
@@ -135,11 +135,13 @@ def test_chat_template_and_system_prompt(smol):
 
 def test_shared_prompt_files_by_path(smol):
     data = default_data_dir() / "prompts"
-    gsm8k = encode_prompts(PromptSource(str(data / "gsm8k_train.jsonl"), id_field="id", limit=8, shuffle_seed=0), smol)
+    gsm8k = encode_prompts(
+        PromptSource(path=str(data / "gsm8k_train.jsonl"), id_field="id", limit=8, shuffle_seed=0), smol
+    )
     assert len(gsm8k) + gsm8k.skipped_too_long == 8 and all(i.startswith("gsm8k_train:") for i in gsm8k.ids)
-    mbpp = load_prompt_texts(PromptSource(str(data / "mbpp_train.jsonl"), id_field="task_id", limit=2))
+    mbpp = load_prompt_texts(PromptSource(path=str(data / "mbpp_train.jsonl"), id_field="task_id", limit=2))
     assert mbpp[0][0] == "mbpp_train:1" and mbpp[0][1].startswith("Write a")
-    tight = encode_prompts(PromptSource(str(data / "gsm8k_train.jsonl"), limit=50, max_prompt_tokens=90), smol)
+    tight = encode_prompts(PromptSource(path=str(data / "gsm8k_train.jsonl"), limit=50, max_prompt_tokens=90), smol)
     assert 0 < tight.skipped_too_long < 50 and max(map(len, tight.token_ids)) <= 90
 
 
@@ -170,51 +172,51 @@ def test_builtin_set_is_packaged_balanced_and_clean():
 def test_source_errors(tmp_path, words):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(PromptSourceError, match=r"'.*nope.jsonl' does not exist"):
-        load_prompt_texts(PromptSource(str(missing)))
+        load_prompt_texts(PromptSource(path=str(missing)))
     path = str(write_jsonl(tmp_path / "qs.jsonl", ROWS))
     with pytest.raises(PromptSourceError, match=r"no column 'prompt'; available: question, qid"):
-        load_prompt_texts(PromptSource(path))
+        load_prompt_texts(PromptSource(path=path))
     with pytest.raises(PromptSourceError, match=r"no column 'key'; available"):
-        load_prompt_texts(PromptSource(path, field="question", id_field="key"))
+        load_prompt_texts(PromptSource(path=path, field="question", id_field="key"))
     with pytest.raises(
         PromptSourceError,
         match=r"could not load dataset 'jf-no-such-org/no-such-set' from the hub "
         r"\(offline\?\): .*; download it or point `path` at a local JSONL/Parquet file",
     ):
-        load_prompt_texts(PromptSource("jf-no-such-org/no-such-set"))
+        load_prompt_texts(PromptSource(path="jf-no-such-org/no-such-set"))
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(PromptSourceError, match="could not read prompts from .*empty.jsonl: it holds no rows"):
-        load_prompt_texts(PromptSource(str(tmp_path / "empty.jsonl")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "empty.jsonl")))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"\n')
     with pytest.raises(PromptSourceError, match=r"bad.jsonl: .*JSON parse error: Missing a comma"):
-        load_prompt_texts(PromptSource(str(tmp_path / "bad.jsonl")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "bad.jsonl")))
     (tmp_path / "cut.parquet").write_bytes(b"PAR1 not parquet")
     with pytest.raises(PromptSourceError, match=r"could not read prompts from .*cut.parquet: .*Parquet"):
-        load_prompt_texts(PromptSource(str(tmp_path / "cut.parquet")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "cut.parquet")))
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(PromptSourceError, match=r"notes.txt: unsupported type; use one of .jsonl"):
-        load_prompt_texts(PromptSource(str(tmp_path / "notes.txt")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "notes.txt")))
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "none.parquet")
     with pytest.raises(PromptSourceError, match="none.parquet: it holds no rows"):
-        load_prompt_texts(PromptSource(str(tmp_path / "none.parquet")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "none.parquet")))
     (tmp_path / "mixed").mkdir()
     write_jsonl(tmp_path / "mixed" / "a.jsonl", ROWS)
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "mixed" / "b.parquet")
     with pytest.raises(PromptSourceError, match="mixes JSON and Parquet files"):
-        load_prompt_texts(PromptSource(str(tmp_path / "mixed"), field="question"))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "mixed"), field="question"))
     (tmp_path / "bare").mkdir()
     with pytest.raises(PromptSourceError, match=r"holds no \.jsonl"):
-        load_prompt_texts(PromptSource(str(tmp_path / "bare")))
+        load_prompt_texts(PromptSource(path=str(tmp_path / "bare")))
     dup = str(write_jsonl(tmp_path / "dup.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}]))
     with pytest.raises(PromptSourceError, match="id '1' in column 'id' is not unique"):
-        load_prompt_texts(PromptSource(dup, id_field="id"))
+        load_prompt_texts(PromptSource(path=dup, id_field="id"))
     blank = str(write_jsonl(tmp_path / "blank.jsonl", [{"prompt": "a"}, {"prompt": " "}]))
     with pytest.raises(PromptSourceError, match="row 1 has no text in 'prompt'"):
-        load_prompt_texts(PromptSource(blank))
+        load_prompt_texts(PromptSource(path=blank))
     with pytest.raises(PromptSourceError, match="`config` and `split` apply to hub ids only"):
-        load_prompt_texts(PromptSource(path, field="question", split="test"))
+        load_prompt_texts(PromptSource(path=path, field="question", split="test"))
     with pytest.raises(PromptSourceError, match="the tokenizer has no chat template"):
-        encode_prompts(PromptSource(path, field="question", system_prompt="Be brief."), words)
+        encode_prompts(PromptSource(path=path, field="question", system_prompt="Be brief."), words)
 
 
 @pytest.mark.parametrize(
@@ -246,19 +248,19 @@ def test_a_limit_streams_only_the_rows_it_takes(tmp_path, kind, monkeypatch):
         pq.write_table(pa.Table.from_pylist(ROWS), path)
     else:
         write_jsonl(path, ROWS)
-    full = load_prompt_texts(PromptSource(str(path), field="question"))
+    full = load_prompt_texts(PromptSource(path=str(path), field="question"))
     built = []
     original = datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: built.append(k.get("streaming")) or original(*a, **k))
     for limit, id_field in ((3, None), (4, "qid")):
-        streamed = load_prompt_texts(PromptSource(str(path), field="question", limit=limit, id_field=id_field))
-        expected = load_prompt_texts(PromptSource(str(path), field="question", id_field=id_field))[:limit]
+        streamed = load_prompt_texts(PromptSource(path=str(path), field="question", limit=limit, id_field=id_field))
+        expected = load_prompt_texts(PromptSource(path=str(path), field="question", id_field=id_field))[:limit]
         assert streamed == expected and len(streamed) == limit
     assert built[:2] == [True, None]  # the limited load streamed; the full one did not
-    shuffled = load_prompt_texts(PromptSource(str(path), field="question", limit=3, shuffle_seed=1))
+    shuffled = load_prompt_texts(PromptSource(path=str(path), field="question", limit=3, shuffle_seed=1))
     assert len(shuffled) == 3 and set(shuffled) <= set(full) and built[-1] is not True  # a shuffle loads every row
     with pytest.raises(PromptSourceError, match="no column 'text'"):
-        load_prompt_texts(PromptSource(str(path), field="text", limit=2))
+        load_prompt_texts(PromptSource(path=str(path), field="text", limit=2))
 
 
 def test_prompts_are_tokenised_in_batches(words, monkeypatch):
@@ -270,7 +272,7 @@ def test_prompts_are_tokenised_in_batches(words, monkeypatch):
     monkeypatch.setattr(
         type(words), "__call__", lambda self, text, **k: calls.append(text) or original(self, text, **k)
     )
-    source = PromptSource(str(builtin_prompts_path()), field="prompt", limit=10, chat_template=False)
+    source = PromptSource(path=str(builtin_prompts_path()), field="prompt", limit=10, chat_template=False)
     one_by_one = [words(text)["input_ids"] for _, text in load_prompt_texts(source)]
     calls.clear()
     prompt_set = encode_prompts(source, words)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,11 @@ def test_shipped_recipes_load(name):
     ("change", "message"),
     [
         ({"trajectorie": {}}, "recipe: unknown key 'trajectorie' (did you mean 'trajectories'?)"),
+        ({"evaluation": {"fp32_check": -1}}, "evaluation.fp32_check: must be >= 0"),
+        (
+            {"evaluation": {"learning_curve": {"max_new_tokens": 8}}},
+            "recipe.evaluation.learning_curve: missing required key(s): benchmarks",
+        ),
         ({"trajectories": {"block_size": -4}}, "recipe.trajectories: block_size must be >= 2"),
         ({"trajectories": {"block_size": "16"}}, "recipe.trajectories.block_size: expected an integer, got '16'"),
         ({"training": {"learning_rat": 1e-5}}, "training: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
@@ -110,7 +118,8 @@ def test_a_curriculum_chains_its_stages():
     root = Path("runs/x").resolve()
     assert (first.folder, second.folder) == (root / "n16", root / "n32")
     assert first.model.name_or_path == "smollm2-135m-instruct"
-    assert second.model.name_or_path == str(root / "n16" / "training" / "final") and second.model.gguf_file is None
+    assert second.model.name_or_path == str(root / "n16" / "training" / "latest" / "final")
+    assert second.model.gguf_file is None
     assert (first.trajectories.block_size, second.trajectories.block_size) == (16, 32)
     assert (first.packing.window, second.packing.window) == (16, 8)  # a stage without a window keeps the recipe's
     assert (first.prompts.limit, second.prompts.limit) == (None, 10)
@@ -118,7 +127,7 @@ def test_a_curriculum_chains_its_stages():
     assert [t.learning_rate for t in trains] == [1e-5, 5e-6] and [t.epochs for t in trains] == [2, 2]
     assert trains[1].model.name_or_path == second.model.name_or_path and trains[1].model.dtype == "float32"
     assert trains[1].output_dir == str(root / "n32" / "training")
-    assert recipe.final_model() == str(root / "n32" / "training" / "final")
+    assert recipe.final_model() == str(root / "n32" / "training" / "latest" / "final")
     assert second.run_name("packing") == "packing (n32)"
     assert recipe.eval_config(recipe.final_model()).models["trained"].model.name_or_path == recipe.final_model()
 
@@ -141,3 +150,68 @@ def test_a_malformed_curriculum_names_the_stage(curriculum, message):
     with pytest.raises(ConfigError) as err:
         load_recipe(GOOD | {"curriculum": curriculum})
     assert message in str(err.value)
+
+
+def test_the_learning_curve_is_every_export_of_each_stages_newest_run(tmp_path):
+    recipe = load_recipe(
+        GOOD
+        | {
+            "work_dir": str(tmp_path),
+            "evaluation": {
+                "learning_curve": {"benchmarks": [{"name": "gsm8k", "limit": 2}], "max_new_tokens": 8},
+                "fp32_check": 3,
+            },
+            "curriculum": [{"name": "n4", "block_size": 4}, {"name": "n8", "block_size": 8}],
+        }
+    )
+
+    def checkpoint(folder: Path, steps: int | None = None) -> None:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        if steps:
+            (folder / "jacobi_forcing.json").write_text(json.dumps({"steps": steps}))
+
+    for stage, run, exports, final in (("n4", "a1", [2, 4], 6), ("n8", "b1", [3], 3)):
+        for step in exports:
+            checkpoint(tmp_path / stage / "training" / run / "exports" / f"step-{step:07d}")
+        checkpoint(tmp_path / stage / "training" / run / "final", final)
+        (tmp_path / stage / "training" / "latest").symlink_to(run)
+    checkpoint(tmp_path / "n4" / "training" / "old" / "exports" / "step-0000001")  # not the newest run: left out
+    points = recipe.curve_points()
+    assert [(p.label, p.block_size) for p in points] == [
+        ("base", 4),
+        ("n4@2", 4),
+        ("n4@4", 4),
+        ("n4@6", 4),
+        ("n8@3", 8),
+    ]
+    assert points[-1].model.name_or_path == str(tmp_path / "n8" / "training" / "b1" / "final")  # the final model
+    configs = recipe.curve_configs()
+    assert list(configs) == [p.label for p in points]
+    n8 = configs["n8@3"]
+    assert (n8.decoding.block_size, n8.decoding.ngram_size, n8.decoding.max_new_tokens) == (8, 8, 8)
+    assert set(n8.models) == {"n8@3"} and n8.baseline == "n8@3" and n8.output_dir == str(tmp_path / "curve")
+    check = recipe.fp32_config(recipe.final_model())
+    assert check.models["trained-fp32"].model.dtype == "float32" and check.output_dir == str(tmp_path / "fp32-check")
+    assert [(b.name, b.limit) for b in check.benchmarks] == [("gsm8k", 3)]
+
+
+def test_an_mlflow_server_that_does_not_answer_fails_at_once_saying_what_to_do():
+    from tasks.tracking import ParentRun, TrackingConfig
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    began = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"no MLflow server answers at http://127.0.0.1:\d+ .*tracking.uri=null"):
+        ParentRun(TrackingConfig(uri=f"http://127.0.0.1:{port}"), "run", {}, {})
+    assert time.perf_counter() - began < 10
+
+
+def test_an_unknown_curriculum_stage_is_named():
+    from flows.jacobi_forcing import chosen_curriculum
+
+    recipe = load_recipe(GOOD | {"curriculum": [{"name": "n16", "block_size": 16}, {"name": "n32", "block_size": 32}]})
+    assert chosen_curriculum(recipe, None) == ["n16", "n32"] and chosen_curriculum(recipe, ["n32"]) == ["n32"]
+    with pytest.raises(ConfigError, match="curriculum: unknown stage 'n64'; the recipe's stages are n16, n32"):
+        chosen_curriculum(recipe, ["n64"])

@@ -39,7 +39,10 @@ def test_measured_curve_times_every_width():
 def acceptance():
     m, quiet = tiny_model("qwen3"), {"batch_size": 3, "host_probe_tokens": 6, "log": lambda _: None}
     acceptance = greedy_pass(m, PROMPTS, [], 0, 40, **quiet)
-    for config in (DecodeConfig("jacobi", 8), DecodeConfig("multiblock", 8, num_blocks=2)):
+    for config in (
+        DecodeConfig(method="jacobi", block_size=8),
+        DecodeConfig(method="multiblock", block_size=8, num_blocks=2),
+    ):
         acceptance.drafts[config.method] = record_drafts(m, PROMPTS, config, [], 0, 40, **quiet)
     return m, acceptance
 
@@ -49,20 +52,20 @@ def test_predicted_tpf_of_prompt_lookup_is_the_decoders_own(acceptance):
     decoder then measures on the same prompts."""
     m, acc = acceptance
     curve = CostCurve(1, 16, (1, 2, 64), (1.0, 1.0, 1.0))
-    assert acc.greedy == decode(m, PROMPTS, DecodeConfig("ar", max_new_tokens=40), eos_token_id=[]).sequences
+    assert acc.greedy == decode(m, PROMPTS, DecodeConfig(method="ar", max_new_tokens=40), eos_token_id=[]).sequences
     for tokens, ngram in [(4, 1), (10, 3)]:
-        config = DecodeConfig("ar", block_size=1, lookup_tokens=tokens, lookup_ngram=ngram)
+        config = DecodeConfig(method="ar", block_size=1, lookup_tokens=tokens, lookup_ngram=ngram)
         run = decode(m, PROMPTS, replace(config, max_new_tokens=40), eos_token_id=[])
         assert predict(config, acc, curve, 0.0).tpf == pytest.approx(run.stats.tpf)
-    ar = predict(DecodeConfig("ar"), acc, curve, acc.ar_host_seconds)
-    ar_run = decode(m, PROMPTS, DecodeConfig("ar", max_new_tokens=40), eos_token_id=[])
+    ar = predict(DecodeConfig(method="ar"), acc, curve, acc.ar_host_seconds)
+    ar_run = decode(m, PROMPTS, DecodeConfig(method="ar", max_new_tokens=40), eos_token_id=[])
     assert ar.speedup == pytest.approx(1.0) and ar.tpf == pytest.approx(ar_run.stats.tpf)  # 40 tokens, 39 forwards
 
 
 def test_wider_forwards_cost_what_the_curve_says(acceptance):
     """The same acceptance on a curve where width is free and on one where it is dear: only the time changes."""
     _, acc = acceptance
-    config = DecodeConfig("jacobi", 8, lookup_tokens=6)
+    config = DecodeConfig(method="jacobi", block_size=8, lookup_tokens=6)
     free = predict(config, acc, CostCurve(1, 16, (1, 64), (1.0, 1.0)), 0.0)
     dear = predict(config, acc, CostCurve(1, 16, (1, 64), (1.0, 64.0)), 0.0)
     assert free.tpf == pytest.approx(dear.tpf)
@@ -71,8 +74,11 @@ def test_wider_forwards_cost_what_the_curve_says(acceptance):
 
 
 def _tuned(machine, lookup_tokens=6):
-    decoding = DecodeConfig("ar", 1, lookup_tokens=lookup_tokens, lookup_ngram=2)
-    return TunedDecoding(machine, (TunedBucket(1, decoding, 1.4, 1.35), TunedBucket(8, DecodeConfig("ar"), 1.0, 1.0)))
+    decoding = DecodeConfig(method="ar", block_size=1, lookup_tokens=lookup_tokens, lookup_ngram=2)
+    return TunedDecoding(
+        machine=machine,
+        buckets=(TunedBucket(1, decoding, 1.4, 1.35), TunedBucket(8, DecodeConfig(method="ar"), 1.0, 1.0)),
+    )
 
 
 def test_the_tune_is_read_back_on_its_machine_and_only_there(tmp_path):
@@ -113,13 +119,16 @@ def test_an_unknown_key_in_the_tune_is_an_error_that_names_it(tmp_path):
 
 
 def test_a_split_that_overlaps_an_evaluation_benchmark_is_refused():
-    split = load_split([TuningSet("eval/gsm8k_test.jsonl", ask="math", field="question", limit=2)])
+    split = load_split([TuningSet(path="eval/gsm8k_test.jsonl", ask="math", field="question", limit=2)])
     with pytest.raises(ConfigError, match="overlaps the evaluation benchmark 'gsm8k'"):
-        check_disjoint(split, [BenchmarkConfig("humaneval"), BenchmarkConfig("gsm8k", limit=1)])
+        check_disjoint(split, [BenchmarkConfig(name="humaneval"), BenchmarkConfig(name="gsm8k", limit=1)])
     default = load_split(
-        [TuningSet("prompts/gsm8k_train.jsonl", ask="math"), TuningSet("prompts/mbpp_train.jsonl", ask="mbpp")]
+        [
+            TuningSet(path="prompts/gsm8k_train.jsonl", ask="math"),
+            TuningSet(path="prompts/mbpp_train.jsonl", ask="mbpp"),
+        ]
     )
-    check_disjoint(default, [BenchmarkConfig(name) for name in ("gsm8k", "mbpp", "humaneval", "math500")])
+    check_disjoint(default, [BenchmarkConfig(name=name) for name in ("gsm8k", "mbpp", "humaneval", "math500")])
 
 
 def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, capsys):
