@@ -168,8 +168,13 @@ def test_one_stage_at_a_time_resumes_from_what_was_written_even_without_prefect(
     assert timings(work)[before + 1 :] == ["packing/n4", "training/n4", "packing/n8", "training/n8"]
 
 
-def test_bad_input_fails_with_what_to_fix(tmp_path):
+def test_bad_input_fails_with_what_to_fix(tmp_path, monkeypatch):
+    from bench.campaign_report import main as report
+    from flows.run import main as run
+
+    monkeypatch.chdir(REPO)
     make_tiny_model(tmp_path / "tiny-model")
+    sets = ["--set", f"work_dir={tmp_path}", "--set", f"model.name_or_path={tmp_path / 'tiny-model'}"]
     cases = [
         (["--curriculum", "n64"], "curriculum: unknown stage 'n64'; the recipe's stages are n4, n8"),
         (["--set", "evaluation.learning_curv=1"], "unknown key 'learning_curv' (did you mean 'learning_curve'?)"),
@@ -177,11 +182,13 @@ def test_bad_input_fails_with_what_to_fix(tmp_path):
         (["--set", "training.max_steps"], "write key=value"),
     ]
     for args, message in cases:
-        failed = flow(tmp_path, *args)
-        assert failed.returncode == 1 and message in failed.stderr, (args, failed.stderr[-2000:])
+        with pytest.raises(SystemExit) as failed:
+            run([SMOKE, *sets, *args])
+        assert str(failed.value.code).startswith("error: ") and message in str(failed.value.code), args
     assert not (tmp_path / "timings.jsonl").exists()  # nothing ran
-    missing = command("bench.campaign_report", tmp_path, recipe="configs/campaign/nope.yaml")
-    assert missing.returncode == 1 and "config file not found: configs/campaign/nope.yaml" in missing.stderr
+    with pytest.raises(SystemExit) as failed:
+        report(["configs/campaign/nope.yaml"])
+    assert "config file not found: configs/campaign/nope.yaml" in str(failed.value.code)
 
 
 @pytest.mark.parametrize("profile", ["smoke", "cpu-long", "gpu"])
