@@ -40,6 +40,8 @@ from jfcore.contracts import (
     TRAJECTORIES,
 )
 from jfcore.environment import usable_cores
+from jfcore.training.checkpoints import read_metrics
+from jfcore.tuning.machine import cpu_model
 from tasks.plan import StagePlan
 from tasks.trajectories import newest_selection
 
@@ -132,8 +134,7 @@ def training_figures(plan: StagePlan, peak_flops: float | None) -> dict:
     """Tokens per step and throughput from the newest run's metrics.jsonl; model FLOPs utilisation on a known
     accelerator."""
     run = plan.path(TRAINING) / LATEST
-    path = run / METRICS
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    rows = read_metrics(run / METRICS)
     figures: dict = {
         "steps": len(rows),
         "tokens_by_step": [r["tokens"] for r in rows],
@@ -183,19 +184,12 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.machine(),
-        "processor": _cpu_name(),
+        "processor": cpu_model(),
         "cores": usable_cores(),
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def evaluations(recipe: Recipe) -> dict:

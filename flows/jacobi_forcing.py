@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -173,10 +173,13 @@ def chosen_curriculum(config: Recipe, names: list[str] | None) -> list[str]:
 
 
 @contextmanager
-def _timed(config: Recipe, stage: str):
-    """Append the stage's seconds to work_dir/timings.jsonl (throughput figures in bench.campaign_report)."""
+def _timed(config: Recipe, stage: str, ran: bool = True):
+    """Append the stage's seconds to work_dir/timings.jsonl (throughput figures in bench.campaign_report), when
+    it `ran` rather than handed on an earlier output."""
     began = time.perf_counter()
     yield
+    if not ran:
+        return
     record = {"stage": stage, "seconds": time.perf_counter() - began, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(config.path(TIMINGS), "a") as file:
         file.write(json.dumps(record) + "\n")
@@ -215,16 +218,16 @@ def _chain(
             return i < upto or STAGES.index(stage) <= last
 
         where = f"/{plan.name}" if plan.label else ""
-        with _timed(config, f"trajectories{where}") if runs("trajectories") else nullcontext():
+        with _timed(config, f"trajectories{where}", runs("trajectories")):
             trajectories = trajectories_task(
                 plan, config.ray, config.prompts_per_shard, registered, runs("trajectories")
             )
         packing = trained = None
         if needed("packing"):
-            with _timed(config, f"packing{where}") if runs("packing") else nullcontext():
+            with _timed(config, f"packing{where}", runs("packing")):
                 packing = packing_task(plan, trajectories.selection, registered, runs("packing"))
         if needed("training"):
-            with _timed(config, f"training{where}") if runs("training") else nullcontext():
+            with _timed(config, f"training{where}", runs("training")):
                 trained = training_task(plan, packing.folder, config.launch, registered, runs("training"), resume)
             model = replace(config.model, name_or_path=trained.final, gguf_file=None)
         result.stages[plan.name] = StageResults(trajectories, packing, trained)

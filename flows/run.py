@@ -9,7 +9,7 @@ ends with the run); with it, the run shows in that server's UI like a deployment
 installed the flow and its tasks run as plain Python calls (tasks/orchestration.py). MLflow logging follows the
 recipe's `tracking.uri` (leave it out for none; a folder or sqlite:/// file needs no server), and `ray.address:
 none` runs each stage's workers as local processes without Ray. Every stage writes under `work_dir` where the
-next stage, a rerun or another machine picks it up (docs/PIPELINE.md, "Stage by stage").
+next stage, a rerun or another machine picks it up (docs/PIPELINE.md, "Without servers, stage by stage").
 """
 
 from __future__ import annotations
