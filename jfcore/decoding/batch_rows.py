@@ -86,8 +86,8 @@ class PlainRows:
         tokens = draft[:, :width].masked_fill(~drafted, d.pad)
         if d.record:
             self._record_states(tokens)
-        logits = batch.forward(tokens, drafted, self.base[:, None] + j)
-        pred = d.choose(logits, rows, lambda: self.nout[:, None] + 1 + j)  # the step's one host sync
+        logits = batch.forward(tokens, drafted, self.base[:, None] + j, packed=True)
+        pred = d.choose(logits, rows, lambda: self.nout[:, None] + 1 + j, drafted)  # the step's one host sync
 
         a = 1 + ((tokens[:, 1:] == pred[:, :-1]) & drafted[:, 1:]).long().cumprod(1).sum(1)
         budget = self.limit - self.nout

@@ -132,8 +132,9 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     whole = vocab - vocab % chunk
     chunks = logits[..., :whole].unflatten(-1, (whole // chunk, chunk))
     peak, first = chunks.amax(-1).max(-1)
-    inside = chunks.gather(-2, first[..., None, None].expand(*first.shape, 1, chunk)).squeeze(-2).max(-1).indices
-    index = first * chunk + inside
+    start = first * chunk
+    within = torch.arange(chunk, device=logits.device)
+    index = start + logits.gather(-1, start[..., None] + within).max(-1).indices
     if whole == vocab:
         return index
     rest, at = logits[..., whole:].max(-1)  # the vocabulary's tail: it wins only if strictly larger (or a NaN)
@@ -146,12 +147,22 @@ def choose(
     settings: Sequence[Sampling],
     samples: Sequence[int],
     positions: torch.Tensor | Callable[[], torch.Tensor],
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row's token choice at every query position: logits [B, Q, V], one `Sampling` and sample index per row,
-    positions [B, Q] (generated position of the token each query predicts; a callable is called only when some row
-    samples, so greedy steps build none). Returns [B, Q] token ids on the host."""
-    greedy = greedy_argmax(logits)
+    """Each row's token choice at every query position: logits [B, Q, V] (or [N, V]: only the N real queries that
+    `valid` [B, Q] marks, in row-major order; padding queries then choose 0), one `Sampling` and sample index per
+    row, positions [B, Q] (generated position of the token each query predicts; a callable is called only when some
+    row samples, so greedy steps build none). Returns [B, Q] token ids on the host."""
     sampled = [b for b, s in enumerate(settings) if not s.greedy]
+    if logits.dim() == 2:  # packed
+        where = valid.to(logits.device)
+        greedy = torch.zeros(where.shape, dtype=torch.long, device=logits.device).masked_scatter_(
+            where, greedy_argmax(logits)
+        )
+        if sampled:
+            logits = logits.new_zeros((*where.shape, logits.shape[-1])).index_put_((where,), logits)
+    else:
+        greedy = greedy_argmax(logits)
     if not sampled:
         return greedy.cpu()
     positions = positions() if callable(positions) else positions

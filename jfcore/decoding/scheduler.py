@@ -109,6 +109,8 @@ class LiveBatch:
     @torch.inference_mode()  # the cache's storage is written in place (an inference tensor)
     def remove(self, leaving: list[Row]) -> list[Row]:
         """Take rows out of the batch (finished, or cancelled by their caller)."""
+        if not leaving:
+            return leaving
         ids = {id(row) for row in leaving}
         keep = fill_from_the_end(len(self.rows), {i for i, row in enumerate(self.rows) if id(row) in ids})
         if len(keep) < len(self.rows):

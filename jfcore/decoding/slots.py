@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from jfcore.decoding.head import split_head
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
 
 FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
@@ -76,6 +77,7 @@ class SlotBatch:
         query_valid: torch.Tensor,
         positions: torch.Tensor,
         tree: torch.Tensor | None = None,
+        packed: bool = False,
         **model_kwargs,
     ) -> torch.Tensor:
         """Run the model on `tokens` [B, Q] appended after the current slots.
@@ -84,8 +86,10 @@ class SlotBatch:
         (others are row padding), `positions` are their position ids. `tree`
         [B, Q, Q], if given, says which new tokens each new token may attend
         to (default: causal).
-        Returns logits [B, Q, V]; the Q new slots stay in the cache until
-        `keep` decides which of them are committed.
+        Returns logits [B, Q, V], or with `packed` (and a model whose head can
+        be split off: jfcore/decoding/head.py) [N, V] for the N real queries
+        in row-major order when there is row padding. The Q new slots stay in
+        the cache until `keep` decides which of them are committed.
         """
         q = tokens.shape[1]
         fixed = self.fixed_forward is not None and self.num_slots > 0 and self.cache.in_place
@@ -104,9 +108,12 @@ class SlotBatch:
             "attention_mask": mask,
             "position_ids": positions.to(self.device, non_blocking=True),
         }
+        head = split_head(self.model) if packed and not fixed and not bool(query_valid.all()) else None
         start = time.perf_counter()
         if fixed:
             logits = self.fixed_forward(self.cache, inputs)[:, :q]
+        elif head is not None:
+            logits = head(query_valid, **inputs, past_key_values=self.cache, use_cache=True, **model_kwargs)
         else:
             logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, **model_kwargs).logits
         self._sync()
@@ -116,17 +123,19 @@ class SlotBatch:
 
     def _mask(self, query_valid: torch.Tensor, tree: torch.Tensor | None, view: int) -> torch.Tensor:
         """[B, 1, Q, view] additive mask: each query sees its row's valid slots, and the new ones its `tree` (default:
-        causal) allows; slots past the cache's end are hidden."""
+        causal) allows; slots past the cache's end are hidden. Built in three blocks of columns (old slots, new
+        slots, the rest), so the old slots' part is one row per row, broadcast over the queries."""
         rows, q = query_valid.shape
         if tree is None:
             tree = torch.ones(q, q, dtype=torch.bool).tril().expand(rows, -1, -1)
-        seen = torch.zeros(rows, q, view, dtype=torch.bool)
-        seen[:, :, : self._new] = self.valid[:, None, : self._new]
-        seen[:, :, self._new : self._new + q] = tree & query_valid[:, None, :]
         dtype = self.model.dtype
-        mask = torch.zeros(seen.shape, dtype=dtype)
-        mask.masked_fill_(~seen, torch.finfo(dtype).min)
-        return mask[:, None].to(self.device, non_blocking=True)
+        low = torch.finfo(dtype).min
+        old = torch.zeros(rows, 1, self._new, dtype=dtype).masked_fill_(~self.valid[:, None, : self._new], low)
+        new = torch.zeros(rows, q, q, dtype=dtype).masked_fill_(~(tree & query_valid[:, None, :]), low)
+        parts = [old.expand(-1, q, -1), new]
+        if view > self._new + q:
+            parts.append(torch.full((rows, q, view - self._new - q), low, dtype=dtype))
+        return torch.cat(parts, dim=2)[:, None].to(self.device, non_blocking=True)
 
     def _append(self, slots: torch.Tensor) -> None:
         end = self.num_slots + slots.shape[1]

@@ -3,6 +3,7 @@ committed text, and recorded trajectories obey the trajectory rules of docs/DESI
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -150,7 +151,7 @@ def test_promoted_block_keeps_its_progress():
     row = Row(0, [1, 2, 3], 100, out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
     # The model confirms 11 and 12 (crossing into block 1) and rejects 13, predicting 40 instead.
     predictions = [11, 12, 40, 50, 51, 52]
-    kept = decoder._verify(row, predictions, cands=[])
+    kept = decoder._verify(row, predictions, cands=[], draft=row.draft)
     assert kept == [0, 1, 2]
     assert row.out == [8, 9, 10, 11, 12]
     assert row.blocks == [[40, 50, 51]] and row.sizes == [4] and row.done == 1
@@ -167,7 +168,7 @@ def test_pseudo_active_block_spawns_from_the_model_guess():
     decoder.vocab_size = 96
     row = Row(0, [1, 2, 3], 100, out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
     # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
-    decoder._verify(row, [11, 12, 30, 77], cands=[])
+    decoder._verify(row, [11, 12, 30, 77], cands=[], draft=row.draft)
     assert row.out == [10, 11, 12]
     assert row.blocks[0] == [30] and row.blocks[1][0] == 77 and len(row.blocks[1]) == 4
 
@@ -187,3 +188,21 @@ def test_trajectories_do_not_depend_on_the_batch():
     alone = [decode(m, [p], config, eos_token_id=[]).trajectories[0] for p in PROMPTS]
     assert batched == alone
     assert any(len(b.states) > 1 for blocks in alone for b in blocks)
+
+
+def test_the_garbage_collector_is_off_while_a_decode_steps_and_as_it_was_after():
+    from jfcore.decoding.jacobi import JacobiDecoder
+
+    enabled: list[bool] = []
+    config = DecodeConfig(method="multiblock", block_size=4, max_new_tokens=12)
+    decoder = JacobiDecoder(tiny_model("llama"), config, [], 0, on_step=lambda _: enabled.append(gc.isenabled()))
+    assert gc.isenabled()
+    decoder.decode([[1, 2, 3], [4, 5]])
+    assert enabled and not any(enabled)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decoder.decode([[1, 2, 3]])
+        assert not gc.isenabled()  # a caller's own choice stands
+    finally:
+        gc.enable()
