@@ -54,4 +54,5 @@ def _probe(model: torch.nn.Module) -> SplitHead | None:
     except (AttributeError, TypeError, ValueError):  # a body that takes other inputs or returns no hidden states
         return None
     whole = model(input_ids=tokens, use_cache=False).logits
-    return SplitHead(body, head) if split.shape == whole.shape and torch.equal(split, whole) else None
+    same = split.shape == whole.shape and split.dtype == whole.dtype and torch.equal(split, whole)
+    return SplitHead(body, head) if same else None
