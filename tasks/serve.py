@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per block (default: the tune's, else the trained size)")
     p.add_argument("--num-blocks", type=int, help="blocks in flight (multiblock)")
     p.add_argument("--lookup-tokens", type=int, help="prompt-lookup candidate tokens (0: off)")
+    p.add_argument(
+        "--share-prefix-tokens",
+        type=int,
+        help="requests whose prompts open with at least this many equal tokens (a system prompt) share that prefix's "
+        "KV cache, prefilled once (0: off; default 64)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="completion budget when a request names none")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
@@ -109,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("block_size", args.block_size),
                 ("num_blocks", args.num_blocks),
                 ("lookup_tokens", args.lookup_tokens),
+                ("share_prefix_tokens", args.share_prefix_tokens),
             )
             if value is not None
         }
@@ -133,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "method": config.method,
             "block_size": config.block_size,
             "lookup_tokens": config.lookup_tokens,
+            "share_prefix_tokens": config.share_prefix_tokens,
             "max_batch_size": args.max_batch_size,
         },
     )

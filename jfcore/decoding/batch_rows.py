@@ -129,7 +129,7 @@ class PlainRows:
                     [r.index for r in rows],
                     a.tolist(),
                     self.base.tolist(),
-                    batch.lengths().tolist(),
+                    batch.cached_tokens(),
                     drafted.sum(1).tolist(),
                 )
             )

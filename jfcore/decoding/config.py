@@ -54,6 +54,9 @@ class DecodeConfig:
     # process (tens of seconds on a CPU), so it pays on long runs only. "auto", by measurement: CUDA graphs on a
     # CUDA model (2.6-5.2x batch-1 decoding on an H200), eager elsewhere.
     compile: Literal["auto", "off", "inductor", "cuda_graphs"] = "auto"
+    # Rows whose prompts open with at least this many equal tokens share that prefix's KV, prefilled once
+    # (jfcore/decoding/shared_prefix.py; eager forwards of an SDPA model only). 0 turns sharing off.
+    share_prefix_tokens: int = 64
 
     def __post_init__(self) -> None:
         check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -64,6 +67,10 @@ class DecodeConfig:
         check(self.ngram_size >= 2, f"ngram_size must be >= 2, got {self.ngram_size}")
         check(
             self.lookup_tokens >= 0, f"lookup_tokens must be >= 0 (0 turns prompt lookup off), got {self.lookup_tokens}"
+        )
+        check(
+            self.share_prefix_tokens >= 0,
+            f"share_prefix_tokens must be >= 0 (0 turns prefix sharing off), got {self.share_prefix_tokens}",
         )
         check(self.lookup_ngram >= 1, f"lookup_ngram must be >= 1, got {self.lookup_ngram}")
         check(

@@ -47,6 +47,7 @@ from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, S
 from jfcore.decoding.rows import Candidates, Row, refill
 from jfcore.decoding.sampling import Sampling, choose
 from jfcore.decoding.scheduler import LiveBatch
+from jfcore.decoding.shared_prefix import restore
 from jfcore.decoding.slots import SlotBatch, host_tensor
 
 BATCH_TENSOR_ROWS = 8
@@ -70,6 +71,8 @@ class JacobiDecoder:
         self.pad = pad_token_id
         self.on_step = on_step
         self.fixed_forward = fixed_forward(model, config.compile)
+        # Prompt prefixes shared between rows are read by an eager attention: fixed-shape forwards keep their own.
+        self.share_prefix_tokens = config.share_prefix_tokens if self.fixed_forward is None else 0
         # One block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a decode
         # runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor
         # ops on a CPU host (~0.7 ms with the lookup's); below it, the row-by-row rules cost less
@@ -119,15 +122,17 @@ class JacobiDecoder:
         stats = DecodeStats()
         start_from = self.batch_tensors_from
         live = LiveBatch(self, batch_tensors=start_from is not None and len(prompts) >= start_from)
-        start = time.perf_counter()
-        rows = live.add(prompts)
-        stats.prefill_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        with collector_paused():
-            while live.rows:
-                live.step()
-        stats.decode_seconds = time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            rows = live.add(prompts)
+            stats.prefill_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            with collector_paused():
+                while live.rows:
+                    live.step()
+            stats.decode_seconds = time.perf_counter() - start
+        finally:
+            restore(self.model)  # its own attention, whatever happened (see jfcore/decoding/shared_prefix.py)
         stats.forward_calls = live.steps
         stats.forward_seconds = live.forward_seconds
         stats.tokens_per_row = [len(r.out) for r in rows]
@@ -175,9 +180,7 @@ class JacobiDecoder:
         batch.keep_slots(keep)
         if self.on_step is not None:
             committed = [len(r.prompt) + r.verified for r in rows]
-            self.on_step(
-                StepEvent(step, [r.index for r in rows], accepted, committed, batch.lengths().tolist(), lengths)
-            )
+            self.on_step(StepEvent(step, [r.index for r in rows], accepted, committed, batch.cached_tokens(), lengths))
 
     def choose(
         self,

@@ -27,6 +27,7 @@ class Row:
     verified: int = 0  # tokens committed by forwards (these have KV)
     forwards: int = 0
     recycled: int = 0  # tokens committed through candidates (recycled or copied) beyond the draft's own run
+    shared_tokens: int = 0  # prompt tokens read from a shared prefix (jfcore/decoding/shared_prefix.py), not prefilled
     finished: bool = False
     pool: NgramPool | None = None
     lookup: PromptLookup | None = None

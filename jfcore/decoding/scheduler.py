@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from jfcore.decoding import shared_prefix
 from jfcore.decoding.batch_rows import PlainRows
 from jfcore.decoding.rows import Row
 from jfcore.decoding.sampling import Sampling
+from jfcore.decoding.shared_prefix import PrefixRows
 from jfcore.decoding.slots import SlotBatch, left_pad
 
 if TYPE_CHECKING:
@@ -71,9 +73,14 @@ class LiveBatch:
         firsts: dict[tuple[int, ...], int] = {}
         source = [firsts.setdefault(tuple(r.prompt), len(firsts)) for r in new]
         slots = SlotBatch(d.model, len(firsts), fixed_forward=d.fixed_forward)
-        tokens, valid, positions = left_pad(list(firsts), d.pad)
-        logits = slots.forward(tokens, valid, positions, **d.prefill_kwargs)
+        # Prompts that open alike prefill only what follows their shared prefix, on top of it.
+        slots.shared = self._shared_prefixes(list(firsts))
+        skip = slots.shared.lengths if slots.shared is not None else [0] * len(firsts)
+        tokens, valid, positions = left_pad([p[n:] for p, n in zip(firsts, skip)], d.pad)
+        logits = slots.forward(tokens, valid, positions + torch.tensor(skip)[:, None], **d.prefill_kwargs)
         slots.keep(valid)
+        for row, i in zip(new, source):
+            row.shared_tokens = skip[i]
         if len(firsts) < len(new):
             slots.select_rows(source)
             logits = logits[torch.tensor(source, device=logits.device)]
@@ -93,6 +100,44 @@ class LiveBatch:
             if self.plain is not None:
                 self.plain.add([new[i] for i in staying])
         return new
+
+    def _shared_prefixes(self, prompts: list[tuple[int, ...]]) -> PrefixRows | None:
+        """Which shared prefix each new prompt reads: the longest one of the batch's it runs past, else one made for
+        prompts that open with the same `share_prefix_tokens` tokens (their longest common prefix), taken from a
+        live row's cache where one opens alike too, else prefilled once."""
+        d = self.decoder
+        minimum = d.share_prefix_tokens
+        if not minimum or not any(len(p) > minimum for p in prompts) or not shared_prefix.supported(d.model):
+            return None
+        live = self.slots.shared if self.slots is not None else None
+        chosen = [live.find(p) if live is not None else None for p in prompts]
+        openings: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            if chosen[i] is None and len(p) > minimum:
+                openings.setdefault(p[:minimum], []).append(i)
+        for opening, members in openings.items():
+            donor = self._row_opening_with(opening)
+            group = [prompts[i] for i in members] + ([self.rows[donor].prompt] if donor is not None else [])
+            n = shared_prefix.common_prefix(group) if len(group) > 1 else 0
+            if n < minimum:
+                continue
+            tokens = prompts[members[0]][:n]
+            if donor is not None:
+                prefix = self.slots.prefix_of_row(donor, tokens)
+            else:
+                prefix = shared_prefix.prefill(d.model, tokens, **d.prefill_kwargs)
+            for i in members:
+                chosen[i] = prefix
+        return shared_prefix.rows_reading(chosen)
+
+    def _row_opening_with(self, opening: tuple[int, ...]) -> int | None:
+        """A live row that reads no shared prefix and whose prompt opens with `opening`, if any (its first slots
+        then hold that opening's KV)."""
+        if self.slots is None or not self.slots.mergeable:
+            return None
+        reads = self.slots.shared.of_row if self.slots.shared is not None else [-1] * len(self.rows)
+        n = len(opening)
+        return next((b for b, row in enumerate(self.rows) if reads[b] < 0 and tuple(row.prompt[:n]) == opening), None)
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
@@ -121,6 +166,8 @@ class LiveBatch:
             self.rows = [self.rows[i] for i in keep]
             if self.plain is not None:
                 self.plain.select(keep)
+        if self.slots is None or self.slots.shared is None:
+            shared_prefix.restore(self.decoder.model)  # no prefix left to read: the model's own attention again
         return leaving
 
 

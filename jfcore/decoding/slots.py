@@ -27,6 +27,7 @@ import torch
 
 from jfcore.decoding.head import split_head
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
+from jfcore.decoding.shared_prefix import Prefix, PrefixRows, use_wrapper
 
 FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
 
@@ -52,6 +53,9 @@ class SlotBatch:
         self._new = 0  # first slot of the last forward's queries
         self.forward_seconds = 0.0
         self._sync = device_sync(self.device)
+        self.shared: PrefixRows | None = (
+            None  # which shared prompt prefix each row reads (jfcore/decoding/shared_prefix.py)
+        )
 
     @property
     def valid(self) -> torch.Tensor:
@@ -68,8 +72,13 @@ class SlotBatch:
         self.num_slots = slots
 
     def lengths(self) -> torch.Tensor:
-        """Committed tokens per row (prompt included): the next position id."""
+        """Committed tokens per row in its own slots (prompt included, a shared prefix not)."""
         return self.valid.sum(dim=1)
+
+    def cached_tokens(self) -> list[int]:
+        """Committed tokens with KV per row: its own slots and its shared prefix's: the next position id."""
+        own = self.lengths().tolist()
+        return own if self.shared is None else [n + p for n, p in zip(own, self.shared.lengths)]
 
     def forward(
         self,
@@ -92,7 +101,7 @@ class SlotBatch:
         the cache until `keep` decides which of them are committed.
         """
         q = tokens.shape[1]
-        fixed = self.fixed_forward is not None and self.num_slots > 0 and self.cache.in_place
+        fixed = self.fixed_forward is not None and self.num_slots > 0 and self.cache.in_place and self.shared is None
         if fixed:  # pad the queries to a power of two: padding slots are never kept, and `keep` crops them
             width = 1 << (q - 1).bit_length()
             tokens, query_valid, positions = (_pad(t, width) for t in (tokens, query_valid, positions))
@@ -110,6 +119,9 @@ class SlotBatch:
         }
         head = split_head(self.model) if packed and not fixed and not bool(query_valid.all()) else None
         start = time.perf_counter()
+        if self.shared is not None:
+            use_wrapper(self.model)  # the attention that reads the prefixes (the scheduler switches it back)
+            model_kwargs["shared_prefix"] = self.shared
         if fixed:
             logits = self.fixed_forward(self.cache, inputs)[:, :q]
         elif head is not None:
@@ -176,7 +188,17 @@ class SlotBatch:
         index = torch.tensor(rows)
         self.cache.batch_select_indices(index.to(self.device))
         self.valid = self.valid[index]
+        self.shared = self.shared.select(rows) if self.shared is not None else None
         self._maybe_compact()
+
+    def prefix_of_row(self, row: int, tokens: tuple[int, ...]) -> Prefix:
+        """A shared prefix made of row `row`'s first committed slots, which hold `tokens` (the row reads no shared
+        prefix itself): copied from its cache, not computed again."""
+        slots = self.valid[row].nonzero()[: len(tokens), 0].to(self.device)
+        layers = self.cache.layers
+        return Prefix(
+            tokens, [layer.keys[row][:, slots] for layer in layers], [layer.values[row][:, slots] for layer in layers]
+        )
 
     @property
     def mergeable(self) -> bool:
@@ -194,6 +216,7 @@ class SlotBatch:
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.append_rows(theirs.keys, theirs.values)
         ours = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], width - self.num_slots)], dim=1)
+        self.shared = PrefixRows.join(self.shared, len(ours), other.shared, len(other.valid))
         self.valid = torch.cat([ours, _left_grow(other.valid, width)], dim=0)
 
     def _maybe_compact(self) -> None:

@@ -186,6 +186,7 @@ class Engine:
             request.row = row
             self._serving.append(request)
             self.metrics.prompt_tokens.inc(len(request.prompt))
+            self.metrics.shared_prefix_tokens.inc(row.shared_tokens)
             self._publish(request)
 
     def _publish(self, request: Request) -> None:

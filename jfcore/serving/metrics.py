@@ -15,6 +15,9 @@ class ServingMetrics:
         self.requests = Counter("jf_requests", "Finished completions by finish reason", ["finish_reason"], registry=r)
         self.http_errors = Counter("jf_http_errors", "Refused requests by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("jf_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.shared_prefix_tokens = Counter(
+            "jf_shared_prefix_tokens", "Prompt tokens read from a shared prefix's KV instead of prefilled", registry=r
+        )
         self.completion_tokens = Counter("jf_completion_tokens", "Tokens generated", registry=r)
         self.row_forwards = Counter(
             "jf_row_forwards", "Decode forwards summed over the rows each served (TPF's denominator)", registry=r

@@ -124,6 +124,30 @@ def test_concurrent_requests_each_equal_greedy(server, tiny):
     assert calls < rows, f"{calls} forward calls served {rows} row-forwards: the requests never shared a batch"
 
 
+def test_requests_opening_alike_share_their_prefix_and_each_equal_greedy(server, tiny):
+    """Concurrent completions opening with one long text (a system prompt) read its KV from a shared prefix, made
+    from the first admitted row's cache (the metric counts the prompt tokens not prefilled), and each still
+    equals its own greedy output."""
+    _, model, tokenizer = tiny
+    opening = words(90, start=11)
+    texts = [f"{opening} {words(2 + 3 * i, start=40 + i)}" for i in range(6)]
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    common = len(tokenizer(opening)["input_ids"])
+    assert common >= 64
+    shared_before = prometheus_value(server, "jf_shared_prefix_tokens_total", KEY)
+    c = client(server)
+    first = c.completions.create(model=NAME, prompt=texts[0], max_tokens=60, stream=True)  # admitted alone
+    pieces = [next(iter(first)).choices[0].text]
+    with ThreadPoolExecutor(len(texts) - 1) as pool:
+        replies = list(pool.map(lambda t: ask(c, "completion", t, 30, False), texts[1:]))
+        pieces += [chunk.choices[0].text for chunk in first]
+    shared = prometheus_value(server, "jf_shared_prefix_tokens_total", KEY) - shared_before
+    assert common <= shared < sum(lengths[1:])  # shared by some (by all 5 unless the first finished too soon)
+    assert "".join(pieces) == greedy_text(model, tokenizer, tokenizer(texts[0])["input_ids"], 60)[0]
+    for text, (got, _) in zip(texts[1:], replies):
+        assert got == greedy_text(model, tokenizer, tokenizer(text)["input_ids"], 30)[0]
+
+
 def test_streamed_chunks_concatenate_to_the_whole_text(server):
     c = client(server)
     for kind in ("completion", "chat"):

@@ -36,6 +36,9 @@ def start_stack(root: Path) -> dict:
         os.environ, JF_STACK_DIR=str(root / "stack"), JF_PREFECT_PORT=str(free_port()), JF_MLFLOW_PORT=str(free_port())
     )
     env.pop("PREFECT_HOME", None)  # the stack's own, not the test session's throwaway one
+    # The worker looks for scheduled runs every 10 s by default: a test that starts a dozen runs one after another
+    # would wait about a minute for pickups alone.
+    env["PREFECT_WORKER_QUERY_SECONDS"] = "1"
     exports = subprocess.run(
         [sys.executable, "infra/stack.py", "env"], env=env, cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
