@@ -111,7 +111,7 @@ def supported(model: torch.nn.Module) -> bool:
     """Whether `model`'s attention can read a shared prefix: its implementation is SDPA (whose mask function this
     module reads), and on a probe a prompt decoded over its own first tokens as a shared prefix gives the logits
     its ordinary forward gives (checked once per model)."""
-    if model.training or model.config._attn_implementation.removeprefix(_WRAPPER) not in _BASES:
+    if model.training or (model.config._attn_implementation or "").removeprefix(_WRAPPER) not in _BASES:
         return False
     if model not in _PROBED:
         _PROBED[model] = _probe(model)
@@ -149,7 +149,7 @@ def use_wrapper(model: torch.nn.Module) -> None:
 
 def restore(model: torch.nn.Module) -> None:
     """Switch `model` back to its own attention implementation, if it runs the wrapper."""
-    name = model.config._attn_implementation
+    name = model.config._attn_implementation or ""
     if name.startswith(_WRAPPER):
         model.set_attn_implementation(name.removeprefix(_WRAPPER))
 
