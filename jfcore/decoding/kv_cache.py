@@ -121,6 +121,11 @@ class SlotLayer(DynamicLayer):
         self.rows, self.length = rows, slots
         self._views()
 
+    def move_slots(self, rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy slot `source[i]` of row `rows[i]` to slot `target[i]` (all read before any is written)."""
+        self._k[rows, :, target] = self._k[rows, :, source]
+        self._v[rows, :, target] = self._v[rows, :, source]
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             self.set_slots(self.keys.repeat_interleave(repeats, 0), self.values.repeat_interleave(repeats, 0))

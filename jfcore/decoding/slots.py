@@ -167,10 +167,23 @@ class SlotBatch:
         self._crop(int(used[-1]) + 1 if len(used) else 0)
 
     def keep_slots(self, kept: list[list[int]]) -> None:
-        """`keep` for kept slot indices per row (each within the last forward's slots), without a [B, Q]
-        tensor built row by row: one scatter, and the crop read off the lists."""
+        """`keep` for kept slot indices per row (each within the last forward's slots, ascending), without a
+        [B, Q] tensor built row by row: one scatter, and the crop read off the lists.
+
+        A row that commits a candidate keeps its first slot and the candidate's, tens of slots further on: left
+        there, they would hold every other row's new slots up to them as holes (a compaction every step or two at
+        64 rows). So in a cache written in place, kept slots are moved up to follow the row's first one (a few
+        slots' keys and values; each keeps its position), and every row's kept slots are the first of the new
+        ones."""
         start = self._new
         rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
+        gapped = [b for b, slots in enumerate(kept) if slots and slots[-1] != len(slots) - 1]
+        moved = [(b, s, i) for b in gapped for i, s in enumerate(kept[b]) if s != i]
+        if moved and self.cache.in_place:
+            who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
+            for layer in self.cache.layers:
+                layer.move_slots(who, source + start, target + start)
+            kept = [list(range(len(slots))) for slots in kept]
         columns = host_tensor([s for slots in kept for s in slots])
         self._valid[rows, columns + start] = True
         # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
