@@ -17,7 +17,7 @@ concurrency. `same_as_ar` counts responses whose text equals AR's for the same p
 `--system-examples N` gives every request one system prompt (N solved GSM8K train problems);
 `--share-prefix-tokens` values each get their own servers (`share` column: the server's setting), so shared
 and per-row prompt prefixes are measured side by side; speedups and `same_as_ar` compare with AR at the same
-setting.
+setting, and the JSON's `same_as_first_share` counts responses equal to the first setting's.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class Round:
     share: int | None = None  # the server's --share-prefix-tokens (None: its default)
     speedup_vs_ar: float | None = None
     same_as_ar: int | None = None
+    same_as_first_share: int | None = None  # responses equal to the first --share-prefix-tokens setting's
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         r.speedup_vs_ar = r.tokens_per_second / ar.tokens_per_second
         mine, theirs = pooled[r.model, r.method, r.share, r.clients], pooled[same]
         r.same_as_ar = sum(a == b for (_, x), (_, y) in zip(mine, theirs) for a, b in zip(x, y))
+        if len(shares) > 1:
+            first = pooled[r.model, r.method, shares[0], r.clients]
+            r.same_as_first_share = sum(a == b for (_, x), (_, y) in zip(mine, first) for a, b in zip(x, y))
 
     header = "model    method      share clients  reqs  tokens  tok/s   p50 lat  p95 lat  p50 TTFT  p95 TTFT  TPF   speedup  same_as_ar"
     print("\n" + header)

@@ -81,6 +81,15 @@ def main() -> None:
     print(f"{len(prompts)} rows, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
 
     results: dict = {"methods": {}}
+    results["settings"] = {
+        **vars(args),
+        "prompt_tokens": [len(p) for p in prompts],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"shared-prefix-{args.label}.json"
     for method in args.methods:
         base = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens)
         runs: dict[str, list[dict]] = {way: [] for way in ways}
@@ -124,16 +133,7 @@ def main() -> None:
             f"KV {own['kv_bytes_after_prefill'] / 2**20:.1f} -> {shared['kv_bytes_after_prefill'] / 2**20:.1f} MiB, "
             f"rows that differ: {len(differs)}"
         )
-    results["settings"] = {
-        **vars(args),
-        "prompt_tokens": [len(p) for p in prompts],
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "host": platform.node(),
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"shared-prefix-{args.label}.json"
-    path.write_text(json.dumps(results, indent=2))
+        path.write_text(json.dumps(results, indent=2))  # after each method: a long run stopped early keeps its figures
     print(f"wrote {path}")
 
 
