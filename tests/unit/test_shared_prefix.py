@@ -120,6 +120,23 @@ def test_shared_prefix_batch_tensors_and_sharing_off_agree():
     assert runs[4] == runs[0] == [greedy_reference(m, p, MAX_NEW) for p in prompts]
 
 
+def test_recorded_trajectories_do_not_depend_on_sharing():
+    """Trajectory generation over prompts with one opening records the same states and fixed points whether the
+    opening's KV is shared or not."""
+    m = model("qwen2")
+    prompts = [OPENINGS[0] + [i, i + 1] for i in range(10, 20)]
+    runs = {}
+    for share in (0, 4):
+        config = DecodeConfig(
+            method="jacobi", block_size=4, max_new_tokens=20, record_trajectories=True, share_prefix_tokens=share
+        )
+        events = []
+        runs[share] = decode(m, prompts, config, eos_token_id=[], pad_token_id=0, on_step=events.append)
+        assert all(e.cache_tokens == e.committed for e in events)
+    assert runs[4].trajectories == runs[0].trajectories
+    assert runs[4].sequences == runs[0].sequences == [greedy_reference(m, p, 20) for p in prompts]
+
+
 def test_unsupported_attention_keeps_its_own_cache():
     """A model whose attention the shared softmax does not do is found out by the probe (eager attention: not the
     wrapped implementation; a sliding window: a variant the split softmax refuses) and decodes without sharing."""
