@@ -17,7 +17,6 @@ from jfcore.decoding import shared_prefix
 from jfcore.decoding.batch_rows import PlainRows
 from jfcore.decoding.rows import Row
 from jfcore.decoding.sampling import Sampling
-from jfcore.decoding.shared_prefix import PrefixRows
 from jfcore.decoding.slots import SlotBatch, left_pad
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ class LiveBatch:
                 self.plain.add([new[i] for i in staying])
         return new
 
-    def _shared_prefixes(self, prompts: list[tuple[int, ...]]) -> PrefixRows | None:
+    def _shared_prefixes(self, prompts: list[tuple[int, ...]]) -> shared_prefix.PrefixRows | None:
         """Which shared prefix each new prompt reads: the longest one of the batch's it runs past, else one made for
         prompts that open with the same `share_prefix_tokens` tokens (their longest common prefix), taken from a
         live row's cache where one opens alike too, else prefilled once."""

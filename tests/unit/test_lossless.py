@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jfcore.decoding import DecodeConfig, decode
+from tests.support.arrivals import run_arrivals
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 
 MAX_NEW = 48
@@ -139,18 +140,7 @@ def test_continuous_batching_matches_generate(arch, method, block_size, arrivals
     m = model(arch)
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=MAX_NEW, pool_size=2)
     live = LiveBatch(JacobiDecoder(m, config, eos_token_ids=[], pad_token_id=0))
-    rows, step, waiting = [], 0, sorted(arrivals, key=lambda a: a[1])
-    cancelled = None
-    while waiting or live.rows:
-        joining = [a for a in waiting if a[1] <= step]
-        waiting = waiting[len(joining) :]
-        if joining:
-            rows += list(zip(live.add([p for p, _, _ in joining], [n for _, _, n in joining]), joining))
-        if cancel is not None and cancelled is None and step == cancel and live.rows:
-            cancelled = live.remove([live.rows[0]])[0]
-        if live.rows:
-            live.step()
-        step += 1
+    rows, cancelled = run_arrivals(live, sorted(arrivals, key=lambda a: a[1]), cancel)
     for row, (p, _, budget) in rows:
         if row is cancelled:
             continue

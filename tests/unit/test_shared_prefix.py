@@ -14,6 +14,7 @@ from jfcore.decoding import DecodeConfig, decode
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.scheduler import LiveBatch
 from jfcore.decoding.shared_prefix import prefill, supported
+from tests.support.arrivals import run_arrivals
 from tests.support.tiny_models import ARCHITECTURES, COMMON, LLAMA_LIKE, greedy_reference, position_model, tiny_model
 
 MAX_NEW = 24
@@ -54,20 +55,12 @@ def test_shared_prefixes_match_generate(arch, method, block_size, first, arrival
     live.decoder.on_step = events.append
     opening = [(OPENINGS[0] + first, 0, MAX_NEW), (OPENINGS[0] + first + [7], 0, MAX_NEW)]
     later = [((OPENINGS[o] if o is not None else []) + s, at, n) for o, s, at, n in arrivals]
-    waiting = opening + sorted(later, key=lambda a: a[1])
-    rows, step, cancelled = [], 0, None
-    while waiting or live.rows:
-        joining = [a for a in waiting if a[1] <= step]
-        waiting = waiting[len(joining) :]
-        if joining:
-            rows += list(zip(live.add([p for p, _, _ in joining], [n for _, _, n in joining]), joining))
+
+    def opening_is_shared(step: int) -> None:
         if step == 0:
             assert live.slots.shared.of_row[:2] == [0, 0]
-        if cancel is not None and cancelled is None and step == cancel and live.rows:
-            cancelled = live.remove([live.rows[0]])[0]
-        if live.rows:
-            live.step()
-        step += 1
+
+    rows, cancelled = run_arrivals(live, opening + sorted(later, key=lambda a: a[1]), cancel, opening_is_shared)
     for row, (p, _, budget) in rows:
         if row is not cancelled:
             assert row.out == greedy_reference(m, p, budget), (p, budget)
