@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent, decode
+from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.slots import SlotBatch
 from tests.support.tiny_models import greedy_reference, position_model, tiny_model
@@ -116,6 +117,32 @@ def test_ngram_pool_keeps_recent_distinct_continuations():
     assert pool.candidates(1, max_len=5) == [(2, 3), (5, 6)]
     assert pool.candidates(2, max_len=1) == [(3,)]
     assert pool.candidates(99, max_len=5) == []
+
+
+@pytest.mark.parametrize(
+    "draft,candidates,pred,kept,recycled",
+    [
+        # Both candidates verify two tokens after draft[0] (the draft only its first): the first of them wins.
+        ([7, 1, 1, 1], [(4, (2, 3)), (6, (2, 4))], [2, 0, 0, 0, 3, 0, 4, 0], [0, 4, 5], 2),
+        # A strictly longer run wins, wherever its candidate lies.
+        ([7, 1, 1, 1], [(4, (2, 3)), (6, (2, 4))], [2, 0, 0, 0, 0, 0, 4, 0], [0, 6, 7], 2),
+        # The draft's own run of 3 ties the candidate's 1 + 2: the draft wins, nothing is recycled.
+        ([7, 2, 3, 1], [(4, (2, 5))], [2, 3, 9, 0, 5, 0], [0, 1, 2], 0),
+    ],
+)
+def test_the_longest_verified_run_wins_and_the_earliest_wins_a_tie(draft, candidates, pred, kept, recycled):
+    """The acceptance rule of docs/DESIGN.md, section 7: the longest of the draft's verified run and each
+    candidate's (draft[0], then the candidate), the draft first and then the candidates in order on a tie."""
+    config = DecodeConfig(method="multiblock", block_size=4, num_blocks=1, pool_size=4, ngram_size=3)
+    decoder = JacobiDecoder(tiny_model("llama"), config, [], 0)
+    row = decoder.new_row(0, [1, 2, 3])
+    row.blocks, row.sizes = [list(draft)], [len(draft)]
+    inputs = draft + [t for _, gram in candidates for t in gram]
+    slots = decoder._verify(row, pred, candidates, draft)
+    assert slots == kept
+    assert row.out == [inputs[s] for s in kept] and row.verified == len(kept)
+    assert row.recycled == recycled
+    assert row.blocks[0][0] == pred[kept[-1]]  # the next draft opens with the token after the committed ones
 
 
 def test_stops_at_first_eos_and_max_new_tokens():
