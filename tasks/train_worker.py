@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from jfcore.config import from_dict
 from jfcore.contracts import FAILURE_PREFIX
 from jfcore.training.config import TrainConfig
@@ -31,6 +33,10 @@ def main(argv: list[str]) -> None:
         rank = os.environ.get("RANK", "0")
         (Path(config.output_dir) / f"{FAILURE_PREFIX}rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
         raise
+    # Leave the process group before the interpreter exits: gloo's worker threads outliving it abort the process
+    # now and then ("terminate called without an active exception", exit code -6), and the launcher would report a
+    # finished run as failed. Only on success: ranks that failed may not reach this collective teardown.
+    dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":
         print(
             f"training finished: {result.steps} steps (resumed from {result.resumed_from}); model in {result.final_dir}"
