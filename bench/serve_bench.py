@@ -63,6 +63,11 @@ class Round:
     same_as_first_share: int | None = None  # responses equal to the first --share-prefix-tokens setting's
 
 
+def equal_answers(mine: list, theirs: list) -> int:
+    """Responses of two settings' pooled runs (each a list of (stats, answers)) that are equal, prompt by prompt."""
+    return sum(a == b for (_, x), (_, y) in zip(mine, theirs) for a, b in zip(x, y))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -181,10 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         ar = next(x for x in rounds if (x.model, x.method, x.share, x.clients) == same)
         r.speedup_vs_ar = r.tokens_per_second / ar.tokens_per_second
         mine, theirs = pooled[r.model, r.method, r.share, r.clients], pooled[same]
-        r.same_as_ar = sum(a == b for (_, x), (_, y) in zip(mine, theirs) for a, b in zip(x, y))
+        r.same_as_ar = equal_answers(mine, theirs)
         if len(shares) > 1:
-            first = pooled[r.model, r.method, shares[0], r.clients]
-            r.same_as_first_share = sum(a == b for (_, x), (_, y) in zip(mine, first) for a, b in zip(x, y))
+            r.same_as_first_share = equal_answers(mine, pooled[r.model, r.method, shares[0], r.clients])
 
     header = "model    method      share clients  reqs  tokens  tok/s   p50 lat  p95 lat  p50 TTFT  p95 TTFT  TPF   speedup  same_as_ar"
     print("\n" + header)

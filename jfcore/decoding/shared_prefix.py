@@ -111,7 +111,7 @@ def supported(model: torch.nn.Module) -> bool:
     """Whether `model`'s attention can read a shared prefix: its implementation is SDPA (whose mask function this
     module reads), and on a probe a prompt decoded over its own first tokens as a shared prefix gives the logits
     its ordinary forward gives (checked once per model)."""
-    if model.training or (model.config._attn_implementation or "").removeprefix(_WRAPPER) not in _BASES:
+    if model.training or _implementation(model).removeprefix(_WRAPPER) not in _BASES:
         return False
     if model not in _PROBED:
         _PROBED[model] = _probe(model)
@@ -130,7 +130,7 @@ def use_wrapper(model: torch.nn.Module) -> None:
     """Switch `model` to the wrapping attention (calls without `shared_prefix` are its own attention's); nothing
     to do if it runs it already. Switching walks the model's modules (~0.4 ms for 30 layers), so a batch switches
     once, when it first holds a prefix, and `restore`s when it no longer does."""
-    base = model.config._attn_implementation
+    base = _implementation(model)
     if base.startswith(_WRAPPER):
         return
     name = _WRAPPER + base
@@ -149,9 +149,14 @@ def use_wrapper(model: torch.nn.Module) -> None:
 
 def restore(model: torch.nn.Module) -> None:
     """Switch `model` back to its own attention implementation, if it runs the wrapper."""
-    name = model.config._attn_implementation or ""
+    name = _implementation(model)
     if name.startswith(_WRAPPER):
         model.set_attn_implementation(name.removeprefix(_WRAPPER))
+
+
+def _implementation(model: torch.nn.Module) -> str:
+    """The name of `model`'s attention implementation ("" for a config that names none)."""
+    return model.config._attn_implementation or ""
 
 
 @torch.inference_mode()

@@ -172,18 +172,18 @@ class SlotBatch:
 
         A row that commits a candidate keeps its first slot and the candidate's, tens of slots further on: left
         there, they would hold every other row's new slots up to them as holes (a 64-row multiblock decode of 64
-        tokens compacted its whole cache 11 times in 63 steps; now never). So in a cache written in place, kept slots are moved up to follow the row's first one (a few
-        slots' keys and values; each keeps its position), and every row's kept slots are the first of the new
-        ones."""
+        tokens compacted its whole cache 11 times in 63 steps; now never). So in a cache written in place, kept
+        slots are moved up to follow the row's first one (a few slots' keys and values; each keeps its position),
+        and every row's kept slots are the first of the new ones."""
         start = self._new
         rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
-        gapped = [b for b, slots in enumerate(kept) if slots and slots[-1] != len(slots) - 1]
-        moved = [(b, s, i) for b in gapped for i, s in enumerate(kept[b]) if s != i]
-        if moved and self.cache.in_place:
+        gapped = {b for b, slots in enumerate(kept) if slots and slots[-1] != len(slots) - 1}
+        if gapped and self.cache.in_place:
+            moved = [(b, s, i) for b in sorted(gapped) for i, s in enumerate(kept[b]) if s != i]
             who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
             for layer in self.cache.layers:
                 layer.move_slots(who, source + start, target + start)
-            kept = [list(range(len(slots))) for slots in kept]
+            kept = [list(range(len(slots))) if b in gapped else slots for b, slots in enumerate(kept)]
         columns = host_tensor([s for slots in kept for s in slots])
         self._valid[rows, columns + start] = True
         # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.

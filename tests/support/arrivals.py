@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 
 def run_arrivals(live, arrivals, cancel: int | None = None, after_admit: Callable[[int], None] | None = None):
-    """Step `live` until every arrival (prompt, step it joins at, token budget), sorted by step, has joined and
-    finished; at step `cancel` the batch's first row is cancelled. `after_admit(step)` runs after each step's
-    admissions. Returns [(row, arrival)] and the cancelled row (or None)."""
-    rows, step, waiting, cancelled = [], 0, list(arrivals), None
+    """Step `live` until every arrival (prompt, step it joins at, token budget) has joined and finished (those of
+    one step in their given order); at step `cancel` the batch's first row is cancelled. `after_admit(step)` runs
+    after each step's admissions. Returns [(row, arrival)] and the cancelled row (or None)."""
+    rows, step, waiting, cancelled = [], 0, sorted(arrivals, key=lambda a: a[1]), None
     while waiting or live.rows:
         joining = [a for a in waiting if a[1] <= step]
         waiting = waiting[len(joining) :]

@@ -140,7 +140,7 @@ def test_continuous_batching_matches_generate(arch, method, block_size, arrivals
     m = model(arch)
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=MAX_NEW, pool_size=2)
     live = LiveBatch(JacobiDecoder(m, config, eos_token_ids=[], pad_token_id=0))
-    rows, cancelled = run_arrivals(live, sorted(arrivals, key=lambda a: a[1]), cancel)
+    rows, cancelled = run_arrivals(live, arrivals, cancel)
     for row, (p, _, budget) in rows:
         if row is cancelled:
             continue
