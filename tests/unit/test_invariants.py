@@ -119,6 +119,45 @@ def test_ngram_pool_keeps_recent_distinct_continuations():
     assert pool.candidates(99, max_len=5) == []
 
 
+class MoveToFrontPool:
+    """The pool's rule done eagerly: every added n-gram goes to the front of its first token's list (moved there if
+    present), and each list keeps its first `size`."""
+
+    def __init__(self, size: int, ngram_size: int):
+        self.size, self.span, self.table = size, ngram_size - 1, {}
+
+    def add(self, tokens: list[int]) -> None:
+        for i in range(len(tokens) - 1):
+            gram = tuple(tokens[i + 1 : i + 1 + self.span])
+            entries = self.table.setdefault(tokens[i], [])
+            if gram in entries:
+                entries.remove(gram)
+            entries.insert(0, gram)
+            del entries[self.size :]
+
+    def candidates(self, first: int, max_len: int) -> list[tuple[int, ...]]:
+        cut = [gram[:max_len] for gram in self.table.get(first, ())]
+        return [gram for i, gram in enumerate(cut) if gram and gram not in cut[:i]]
+
+
+def test_ngram_pool_reads_what_eager_move_to_front_lists_hold():
+    """The pool records occurrences and builds a first token's list when it is read, dropping what can no longer be
+    read: over random adds and reads (few tokens, so continuations repeat and lists overflow) it must answer every
+    read as the eager lists do."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        size, ngram_size, vocab = rng.randrange(0, 6), rng.randrange(2, 9), rng.randrange(2, 12)
+        pool, eager = NgramPool(size, ngram_size), MoveToFrontPool(size, ngram_size)
+        for _ in range(rng.randrange(1, 60)):
+            if rng.random() < 0.6:
+                tail = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+                pool.add(tail)
+                eager.add(tail)
+            else:
+                first, max_len = rng.randrange(vocab), rng.randrange(0, 10)
+                assert pool.candidates(first, max_len) == eager.candidates(first, max_len)
+
+
 @pytest.mark.parametrize(
     "draft,candidates,pred,kept,recycled",
     [
