@@ -22,7 +22,7 @@ import torch
 
 from jfcore.decoding.lookup import BatchLookup
 from jfcore.decoding.result import StepEvent
-from jfcore.decoding.slots import SlotBatch, widen
+from jfcore.decoding.slots import SlotBatch, host_tensor, widen
 
 
 class PlainRows:
@@ -146,25 +146,29 @@ class PlainRows:
         """Bring the Python side of rows up to date: all of them (`sync_rows`), else those that finish or open."""
         d = self.d
         sync = range(len(self.rows)) if self.sync_rows else sorted({*finished_rows, *opening_rows})
-        nout = self.nout.tolist()
+        # Whole columns read once: a few tensor reads, not a few per row.
         forwards = (self.steps - self.joined).tolist()
+        recycled, base = self.recycled.tolist(), self.base.tolist()
         finished = set(finished_rows)
         if self.sync_rows:
             taken = take.tolist()
             toks = tokens.tolist()
             ends = last.tolist()
             corr = correction.tolist()
+        else:
+            nout = self.nout.tolist()
+            outs = dict(zip(sync, self.out[list(sync)].tolist()))
         for b in sync:
             row = self.rows[b]
             row.forwards = forwards[b]
-            row.recycled = int(self.recycled[b])
+            row.recycled = recycled[b]
             if self.sync_rows:
                 row.out.extend(toks[b][: taken[b]])
                 if ends[b]:
                     row.out.append(corr[b])
             else:
-                row.out = self.out[b, : nout[b]].tolist()
-            row.verified = int(self.base[b]) - len(row.prompt)
+                row.out = outs[b][: nout[b]]
+            row.verified = base[b] - len(row.prompt)
             if b in finished:
                 row.finished = True
             if d.record:
@@ -196,10 +200,15 @@ class PlainRows:
         self.dlen[opening_rows] = sizes
         if n == 1 and not d.record:  # AR: the block is the correction alone, nothing to draw or record
             return
+        fill_rows: list[int] = []
+        fill_cols: list[int] = []
+        filled: list[int] = []
         for b, size in zip(opening_rows, sizes.tolist()):
             row = self.rows[b]
             row.block_start = len(row.out)
             row.sizes = [size]
-            filler = d.filler(row, size - 1)
-            if filler:
-                self.draft[b, 1:size] = torch.tensor(filler)
+            filled += d.filler(row, size - 1)
+            fill_rows += [b] * (size - 1)
+            fill_cols += range(1, size)
+        if filled:  # one write for every opening row's filler
+            self.draft[host_tensor(fill_rows), host_tensor(fill_cols)] = host_tensor(filled)
