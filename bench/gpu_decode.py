@@ -7,8 +7,10 @@ tokenizer), one after the other in one run:
 - `eager`: this tree, compile off; it also runs HF greedy `generate` on the decode prompts (the reference);
 - `cuda_graphs`: this tree, compile="cuda_graphs" (jfcore/decoding/graphs.py).
 
-Measured per variant: batch-1 decoding of every decode prompt (AR and Jacobi n16), and trajectory decoding
-(`decode_trajectories`, Jacobi n16, recorded) of the trajectory prompts at each `--trajectory-batch`. Each
+Measured per variant: batch-1 decoding of every decode prompt (`--methods`: AR, Jacobi n16, multiblock 2 x 16),
+trajectory decoding (`decode_trajectories`, Jacobi n16, recorded) of the trajectory prompts at each
+`--trajectory-batch`, and at each `--step-batch` one step's split into host work and forward, as
+bench/step_overhead.py measures it on a CPU, next to HF `generate`'s whole step (the eager variant times it). Each
 measurement first runs once untimed (CUDA graphs are captured there). The outputs' digests are compared across
 variants and with `generate`'s tokens: the same model gives the same tokens whatever runs the forwards, except
 where a kernel's rounding flips a near-tie (counted as `differs_from_generate`).
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+BLOCK = {"ar": 1, "jacobi": 16, "multiblock": 16}  # draft length per method (multiblock: 2 blocks, the defaults)
 TREE = HERE.parent.parent
 
 
@@ -68,6 +71,7 @@ def measure(args: argparse.Namespace) -> dict:
         "jfcore": str(Path(jfcore.__file__).parent),
         "decode": {},
         "trajectories": {},
+        "steps": {},
     }
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -80,8 +84,8 @@ def measure(args: argparse.Namespace) -> dict:
         sync()
         return value, time.perf_counter() - start
 
-    for method, n in (("ar", 1), ("jacobi", 16)):
-        config = DecodeConfig(method=method, block_size=n, max_new_tokens=args.max_new_tokens, **extra)
+    for method in args.methods:
+        config = DecodeConfig(method=method, block_size=BLOCK[method], max_new_tokens=args.max_new_tokens, **extra)
         outs, seconds = timed(lambda config=config: [decode(model, [p], config) for p in prompts["decode"]])
         sequences = [o.sequences[0] for o in outs]
         tokens = sum(map(len, sequences))
@@ -109,6 +113,8 @@ def measure(args: argparse.Namespace) -> dict:
             "tokens_per_s": round(tokens / seconds, 1),
             "digest": hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16],
         }
+    for batch in args.step_batch:
+        result["steps"][str(batch)] = _steps(model, prompts["trajectories"], batch, args, extra, timed)
     if args.variant == "cuda_graphs":
         from jfcore.decoding.graphs import graph_forward
 
@@ -117,6 +123,41 @@ def measure(args: argparse.Namespace) -> dict:
     if args.variant == "eager":
         result["generate"] = _generate(model, prompts["decode"], args.max_new_tokens, timed, args.device)
     return result
+
+
+def _steps(model, pool: list[list[int]], batch: int, args: argparse.Namespace, extra: dict, timed) -> dict:
+    """One step's cost at `batch` rows, as bench/step_overhead.py splits it (host = whole step - forward, the
+    forward closed by a sync), for each method and, in the eager variant, HF `generate`: EOS off, so every row
+    runs `--step-tokens`."""
+    from jfcore.decoding import DecodeConfig, decode
+
+    prompts = [pool[i % len(pool)] for i in range(batch)]
+    figures = {}
+    for method in args.methods:
+        config = DecodeConfig(method=method, block_size=BLOCK[method], max_new_tokens=args.step_tokens, **extra)
+        out, _ = timed(lambda config=config: decode(model, prompts, config, eos_token_id=[], pad_token_id=0))
+        s = out.stats
+        figures[method] = _step_figures(s.decode_seconds, s.forward_seconds, s.forward_calls, s.tpf)
+    if args.variant == "eager":
+        from jfcore.evaluation.methods import hf_method
+
+        hf = hf_method(model, [], 0, min_new_tokens=args.step_tokens)
+        run, _ = timed(lambda: hf(prompts, args.step_tokens))
+        figures["hf_generate"] = _step_figures(
+            run.decode_seconds, run.forward_seconds, run.decode_forwards // batch, 1.0
+        )
+    return figures
+
+
+def _step_figures(decode_seconds: float, forward_seconds: float, steps: int, tpf: float) -> dict:
+    steps = max(1, steps)
+    return {
+        "step_ms": round(1e3 * decode_seconds / steps, 3),
+        "forward_ms": round(1e3 * forward_seconds / steps, 3),
+        "host_ms": round(1e3 * (decode_seconds - forward_seconds) / steps, 3),
+        "steps": steps,
+        "tpf": round(tpf, 3),
+    }
 
 
 def _generate(model, prompts: list[list[int]], max_new_tokens: int, timed, device: str) -> dict:
@@ -145,7 +186,7 @@ def _generate(model, prompts: list[list[int]], max_new_tokens: int, timed, devic
 def check_tiny() -> dict:
     """CUDA graphs (the default on a GPU, compile="auto") on tiny random models (float32) against generate, token
     for token: every method, ragged prompts, rows leaving at different steps, a row joining mid-decode, prompts
-    crossing a cache granule."""
+    crossing a cache granule; then eager forwards with rows reading a shared prompt prefix."""
     import random
 
     sys.path.insert(0, str(TREE))
@@ -155,7 +196,7 @@ def check_tiny() -> dict:
     from jfcore.decoding.scheduler import LiveBatch
     from tests.support.tiny_models import greedy_reference, tiny_model
 
-    checked, failures, captures = 0, [], 0
+    checked, failures, captures, shared = 0, [], 0, 0
     for arch in ("llama", "qwen3", "gpt2"):
         model = tiny_model(arch).to("cuda")
         rng = random.Random(arch)
@@ -188,9 +229,23 @@ def check_tiny() -> dict:
                     if row.out != greedy_reference(model, prompt, budget):
                         failures.append(f"{arch} {config.describe()} batch_tensors={batch_tensors} row {row.index}")
         captures += graph_forward(model).captures
+        # Eager forwards on the GPU with rows reading a shared prompt prefix (jfcore/decoding/shared_prefix.py).
+        opening = [rng.randrange(1, 96) for _ in range(12)]
+        prompts = [opening + [rng.randrange(1, 96) for _ in range(n)] for n in (1, 4, 9)]
+        for method in ("ar", "jacobi", "multiblock"):
+            config = DecodeConfig(method=method, block_size=4, max_new_tokens=16, compile="off", share_prefix_tokens=8)
+            live = LiveBatch(JacobiDecoder(model, config, [], 0))
+            rows = live.add(prompts, [16] * len(prompts))
+            shared += len(rows) if live.slots.shared is not None else 0
+            while live.rows:
+                live.step()
+            for row, prompt in zip(rows, prompts):
+                checked += 1
+                if row.out != greedy_reference(model, prompt, 16):
+                    failures.append(f"{arch} {method} shared prefix, eager: row {row.index}")
     if not captures:
         failures.append("no CUDA graph was captured: compile='auto' did not choose CUDA graphs on this GPU")
-    return {"rows_checked": checked, "failures": failures, "graphs_captured": captures}
+    return {"rows_checked": checked, "failures": failures, "graphs_captured": captures, "rows_sharing_a_prefix": shared}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu only to rehearse the run (no cuda_graphs variant)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--trajectory-batch", type=int, nargs="+", default=[32])
+    p.add_argument("--methods", nargs="+", default=list(BLOCK), choices=list(BLOCK), help="batch-1 and step methods")
+    p.add_argument("--step-batch", type=int, nargs="*", default=[], help="batch sizes for the per-step split")
+    p.add_argument("--step-tokens", type=int, default=32, help="new tokens per row in the per-step split")
     p.add_argument("--out", type=Path, default=HERE.parent / "results")
     p.add_argument("--check-tiny", action="store_true")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
@@ -232,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         child = [sys.executable, str(HERE), "--variant", variant, "--prompts", args.prompts, "--dtype", args.dtype]
         child += ["--device", args.device]
         child += ["--max-new-tokens", str(args.max_new_tokens), "--trajectory-batch", *map(str, args.trajectory_batch)]
+        child += ["--methods", *args.methods, "--step-tokens", str(args.step_tokens)]
+        child += ["--step-batch", *map(str, args.step_batch)]
         child += ["--random-config", args.random_config] if args.random_config else ["--model", args.model]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run(child, check=False, env=env, capture_output=True, text=True, cwd=tree)
@@ -256,6 +316,12 @@ def _print(r: dict) -> None:
         print(f"{r['variant']:12s} trajectories batch {batch:3s} {d['tokens_per_s']:8.1f} tok/s  {d['digest']}")
     if "generate" in r:
         print(f"{'generate':12s} decode          {r['generate']['tokens_per_s']:8.1f} tok/s")
+    for batch, methods in r.get("steps", {}).items():
+        for method, f in methods.items():
+            print(
+                f"{r['variant']:12s} step batch {batch:>3s} {method:11s} step {f['step_ms']:7.2f} ms  forward "
+                f"{f['forward_ms']:7.2f}  host {f['host_ms']:6.2f}  TPF {f['tpf']}"
+            )
 
 
 def _compare(results: dict) -> None:
@@ -283,6 +349,16 @@ def _compare(results: dict) -> None:
                 f"{name:12s} trajectories batch {batch}: vs before {d.get('speedup_vs_before')}x, "
                 f"same rows as before: {d.get('same_as_before')}"
             )
+        for batch, methods in r.get("steps", {}).items():  # the issue's measure: host time / HF's whole step
+            hf = results.get("eager", {}).get("steps", {}).get(batch, {}).get("hf_generate")
+            for method, f in methods.items():
+                if hf:
+                    f["host_over_hf_step"] = round(f["host_ms"] / hf["step_ms"], 3)
+                    f["step_over_hf_step"] = round(f["step_ms"] / hf["step_ms"], 3)
+                print(
+                    f"{name:12s} step batch {batch} {method}: host / HF step {f.get('host_over_hf_step')}, "
+                    f"step / HF step {f.get('step_over_hf_step')}"
+                )
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def attend(
     low = torch.finfo(query.dtype).min
     grouped = query.reshape(rows, kv_heads, groups * q, dim)  # heads h = kv * groups + g, as repeat_kv lays them out
     own = torch.matmul(grouped, key.transpose(2, 3)).view(rows, kv_heads, groups, q, length) * scaling
-    own = own + _additive(attention_mask, rows, q, length, query.dtype)[:, :, None]
+    own = own + _additive(attention_mask, rows, q, length, query.dtype, query.device)[:, :, None]
     scores = torch.full((rows, kv_heads, groups, q, shared.width + length), low, dtype=query.dtype, device=query.device)
     scores[..., shared.width :] = own
     layer = module.layer_idx
@@ -237,10 +237,12 @@ def attend(
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None
 
 
-def _additive(mask: torch.Tensor | None, rows: int, q: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+def _additive(
+    mask: torch.Tensor | None, rows: int, q: int, length: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """[B, 1, Q, L] additive mask from the model's mask function's output (None: causal, ending at the last slot)."""
     if mask is None:
-        allowed = torch.ones(q, length, dtype=torch.bool).tril(length - q)
+        allowed = torch.ones(q, length, dtype=torch.bool, device=device).tril(length - q)
         mask = allowed.expand(rows, 1, q, length)
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

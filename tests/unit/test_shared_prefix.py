@@ -13,7 +13,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.scheduler import LiveBatch
-from jfcore.decoding.shared_prefix import prefill, supported
+from jfcore.decoding.shared_prefix import Prefix, PrefixRows, attend, prefill, supported
 from tests.support.arrivals import run_arrivals
 from tests.support.tiny_models import ARCHITECTURES, COMMON, LLAMA_LIKE, greedy_reference, position_model, tiny_model
 
@@ -145,6 +145,32 @@ def test_unsupported_attention_keeps_its_own_cache():
     while live.rows:
         live.step()
     assert [r.out for r in rows] == [greedy_reference(eager, p, MAX_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+@pytest.mark.parametrize("of_row", [[0, 0], [0, -1]])
+def test_attention_over_a_prefix_builds_its_tensors_on_the_inputs_device(mask, of_row):
+    """On a GPU, a tensor the attention built on the CPU fails the forward. On the meta device any such tensor
+    fails too, so this runs the attention's device handling without a GPU: every mask form the model's mask function
+    gives (None: causal), a prefix every row reads and one that only some rows read."""
+    meta = torch.device("meta")
+    rows, heads, kv_heads, q, length, dim = 2, 4, 2, 3, 5, 8
+    prefix = Prefix(
+        (1, 2, 3, 4), [torch.empty(kv_heads, 4, dim, device=meta)], [torch.empty(kv_heads, 4, dim, device=meta)]
+    )
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    if mask == "bool":
+        mask = torch.ones(rows, 1, q, length, dtype=torch.bool, device=meta)
+    elif mask == "additive":
+        mask = torch.zeros(rows, 1, q, length, device=meta)
+    query = torch.empty(rows, heads, q, dim, device=meta)
+    key, value = (
+        torch.empty(rows, kv_heads, length, dim, device=meta),
+        torch.empty(rows, kv_heads, length, dim, device=meta),
+    )
+    out, _ = attend(module, query, key, value, mask, PrefixRows([prefix], of_row))
+    assert out.device == meta and out.shape == (rows, q, heads, dim)
 
 
 def test_share_prefix_tokens_is_checked():
