@@ -42,13 +42,15 @@ METHODS = {
 }
 
 
-def short_forward_model(seed: int = 0) -> LlamaForCausalLM:
-    """Two small layers and a small vocabulary: a forward short enough that host work shows, as on a GPU."""
+def short_forward_model(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    """Small layers (two by default) and a small vocabulary: a forward short enough that host work shows, as on a
+    GPU. The decoder's cache work is per layer, so `layers` = 30 (SmolLM2-135M's depth) shows that part at a real
+    model's size."""
     config = LlamaConfig(
         vocab_size=2048,
         hidden_size=64,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
@@ -96,12 +98,13 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per batch size (median kept)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2, help="layers of the short-forward model (SmolLM2-135M has 30)")
     p.add_argument("--label", default="", help="a name for this run in the results file (e.g. before/after)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = short_forward_model()
+    model = short_forward_model(layers=args.layers)
     vocab = model.config.vocab_size
     run_project(model, prompts_for(2, vocab, 99), 8, METHODS["jacobi"])  # warm-up
     results = {}
@@ -129,7 +132,12 @@ def main(argv: list[str] | None = None) -> Path:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    settings = {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "label": args.label}
+    settings = {
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "label": args.label,
+        "layers": args.layers,
+    }
     out.write_text(json.dumps({"settings": settings, "host": host, "results": results}, indent=2))
     print(f"wrote {out}")
     return out

@@ -69,7 +69,7 @@ class GraphForward:
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.storage: tuple[int, ...] | None = None  # the cache storage the graphs were captured on
         self.owner: Callable[[], SlotCache | None] = lambda: None  # the cache using that storage (a weak reference)
-        self.store: list = []  # that storage: (keys, values, id) per layer
+        self.store: tuple | list = []  # that storage (SlotCache.storage)
         self.captures = 0  # graphs captured so far (each costs a warm-up forward and a capture)
         self.adoptions = 0  # caches moved into the graphs' storage
 

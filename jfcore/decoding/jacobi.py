@@ -169,7 +169,7 @@ class JacobiDecoder:
 
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
-        tree = _tree([cands for _, _, cands in layouts], lengths, width) if use_tree else None
+        tree = _tree([cands for _, _, cands in layouts], lengths, width, batch.device) if use_tree else None
         logits = batch.forward(host_tensor(tokens), valid, host_tensor(positions), tree, packed=True)
         predictions = self.choose(logits, rows, generated, valid).tolist()  # one host sync per forward
         keep, accepted = [], []
@@ -358,19 +358,20 @@ def collector_paused():
             gc.enable()
 
 
-def _tree(candidates: list[Candidates], widths: list[int], width: int) -> torch.Tensor:
-    """[B, Q, Q]: causal among each row's draft; each candidate sees the draft's first token and its own prefix.
+def _tree(candidates: list[Candidates], widths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[B, Q, Q] on `device`: causal among each row's draft; each candidate sees the draft's first token and its
+    own prefix.
 
     Built from one segment id per position (0: the draft, i: the i-th candidate, -1: row padding) in a few tensor
-    operations for the whole batch."""
+    operations for the whole batch, where the mask is built (only the segment ids cross to a GPU)."""
     segments = []
     for cands, n in zip(candidates, widths):
         seg = [0] * (cands[0][0] if cands else n)
         for i, (_, gram) in enumerate(cands, start=1):
             seg += [i] * len(gram)
         segments.append(seg + [-1] * (width - len(seg)))
-    seg = host_tensor(segments)
+    seg = host_tensor(segments).to(device, non_blocking=True)
     tree = seg[:, :, None] == seg[:, None, :]  # padding (-1) matches padding here; the mask hides padding keys
-    tree &= torch.ones(width, width, dtype=torch.bool).tril()
+    tree &= torch.ones(width, width, dtype=torch.bool, device=device).tril()
     tree[:, :, 0] |= seg > 0
     return tree

@@ -91,7 +91,7 @@ class SlotBatch:
     ) -> torch.Tensor:
         """Run the model on `tokens` [B, Q] appended after the current slots.
 
-        All inputs are host tensors. `query_valid` marks real query tokens
+        All inputs are host tensors, but `tree` may be on the device. `query_valid` marks real query tokens
         (others are row padding), `positions` are their position ids. `tree`
         [B, Q, Q], if given, says which new tokens each new token may attend
         to (default: causal).
@@ -135,19 +135,19 @@ class SlotBatch:
 
     def _mask(self, query_valid: torch.Tensor, tree: torch.Tensor | None, view: int) -> torch.Tensor:
         """[B, 1, Q, view] additive mask: each query sees its row's valid slots, and the new ones its `tree` (default:
-        causal) allows; slots past the cache's end are hidden. Built in three blocks of columns (old slots, new
-        slots, the rest), so the old slots' part is one row per row, broadcast over the queries."""
+        causal) allows; slots past the cache's end are hidden. Only booleans go to the device ([B, old slots] and
+        [B, Q, Q]); the mask, a float per query and slot (8 MB at 64 rows x 64 queries x 512 slots), is built there
+        rather than on the host and copied."""
         rows, q = query_valid.shape
         if tree is None:
-            tree = torch.ones(q, q, dtype=torch.bool).tril().expand(rows, -1, -1)
+            tree = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(rows, -1, -1)
+        old = self.valid[:, : self._new].to(self.device, non_blocking=True)
+        new = tree.to(self.device) & query_valid.to(self.device, non_blocking=True)[:, None, :]
         dtype = self.model.dtype
-        low = torch.finfo(dtype).min
-        old = torch.zeros(rows, 1, self._new, dtype=dtype).masked_fill_(~self.valid[:, None, : self._new], low)
-        new = torch.zeros(rows, q, q, dtype=dtype).masked_fill_(~(tree & query_valid[:, None, :]), low)
-        parts = [old.expand(-1, q, -1), new]
-        if view > self._new + q:
-            parts.append(torch.full((rows, q, view - self._new - q), low, dtype=dtype))
-        return torch.cat(parts, dim=2)[:, None].to(self.device, non_blocking=True)
+        mask = torch.full((rows, 1, q, view), torch.finfo(dtype).min, dtype=dtype, device=self.device)
+        mask[:, 0, :, : self._new].masked_fill_(old[:, None, :], 0.0)
+        mask[:, 0, :, self._new : self._new + q].masked_fill_(new, 0.0)
+        return mask
 
     def _append(self, slots: torch.Tensor) -> None:
         end = self.num_slots + slots.shape[1]
@@ -181,8 +181,7 @@ class SlotBatch:
         if gapped and self.cache.in_place:
             moved = [(b, s, i) for b in sorted(gapped) for i, s in enumerate(kept[b]) if s != i]
             who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
-            for layer in self.cache.layers:
-                layer.move_slots(who, source + start, target + start)
+            self.cache.move_slots(who, source + start, target + start)
             kept = [list(range(len(slots))) if b in gapped else slots for b, slots in enumerate(kept)]
         columns = host_tensor([s for slots in kept for s in slots])
         self._valid[rows, columns + start] = True
@@ -198,9 +197,8 @@ class SlotBatch:
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (finished sequences leave the batch); in-place cache layers write only
         the rows whose place changes."""
-        index = torch.tensor(rows)
-        self.cache.batch_select_indices(index.to(self.device))
-        self.valid = self.valid[index]
+        self.cache.keep_rows(rows, self.device)
+        self.valid = self.valid[torch.tensor(rows)]
         self.shared = self.shared.select(rows) if self.shared is not None else None
         self._maybe_compact()
 
@@ -245,10 +243,7 @@ class SlotBatch:
         # Row b's valid slots, right-aligned into `width` slots (left padding for shorter rows).
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
         new_valid = torch.gather(self.valid, 1, order)
-        order = order.to(self.device)
-        for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.set_slots(torch.gather(layer.keys, 2, index), torch.gather(layer.values, 2, index))
+        self.cache.gather_slots(order.to(self.device))
         self.valid = new_valid
 
 

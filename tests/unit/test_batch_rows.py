@@ -13,7 +13,7 @@ from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, StepEvent
 from jfcore.decoding.compiled import InductorForward
 from jfcore.decoding.graphs import GraphForward
-from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.jacobi import JacobiDecoder, _tree
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
 from jfcore.decoding.scheduler import LiveBatch, fill_from_the_end
 from jfcore.decoding.slots import SlotBatch, left_pad
@@ -269,6 +269,23 @@ def test_a_new_decode_moves_into_the_graphs_storage_only_once_the_old_cache_is_g
                 batch.step()
     for r, prompt in ((row, prompts[0]), (later_row, prompts[1]), (beside_row, prompts[2])):
         assert r.out == greedy_reference(m, prompt, 12)
+
+
+@pytest.mark.parametrize("with_tree", [True, False])
+def test_the_attention_mask_is_built_on_the_models_device(with_tree):
+    """On a GPU only the booleans it is made of cross from the host (the tree of candidates is built on the device
+    already). On the meta device any tensor left on the host fails, so this checks the devices without a GPU: the
+    tree, and the mask from host row state, a device tree (or none: causal), at a fixed shape's wider view."""
+    meta = torch.device("meta")
+    tree = _tree([[(1, (4, 5))], []], [3, 2], 3, meta)
+    assert tree.device == meta and tree.shape == (2, 3, 3)
+    batch = _prefilled(tiny_model("llama"), [[3, 4, 5], [6, 7]])
+    batch.device = meta
+    batch._new = batch.num_slots
+    batch._append(torch.tensor([[True, True, True], [True, True, False]]))
+    query_valid = torch.tensor([[True, True, True], [True, True, False]])
+    mask = batch._mask(query_valid, tree if with_tree else None, view=batch.num_slots + 5)
+    assert mask.device == meta and mask.shape == (2, 1, 3, batch.num_slots + 5)
 
 
 def test_cuda_graphs_on_a_cpu_model_say_what_to_use_instead():

@@ -11,6 +11,7 @@ import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent, decode
 from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.kv_cache import SlotCache
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.slots import SlotBatch
 from tests.support.tiny_models import greedy_reference, position_model, tiny_model
@@ -107,6 +108,51 @@ def test_cache_compaction_keeps_attention_exact():
     reference, full_slots = run(False)
     assert compact_slots < full_slots
     torch.testing.assert_close(compacted, reference, rtol=1e-5, atol=1e-5)
+
+
+def _filled_cache(m, stacked: bool, heads: list[int]) -> tuple[SlotCache, list[torch.Tensor]]:
+    """A cache for `m` holding 4 rows x 6 slots of random keys (values: keys + 1) per layer, `heads[i]` KV heads
+    in layer i; with `stacked` False its layers keep storage of their own."""
+    cache = SlotCache(m.config)
+    if not stacked:
+        cache.stack.leave()
+    generator = torch.Generator().manual_seed(0)
+    written = [torch.randn(4, h, 6, 8, generator=generator) for h in heads]
+    for layer, keys in zip(cache.layers, written):
+        layer.update(keys, keys + 1)
+    return cache, written
+
+
+def test_one_stack_of_layers_moves_rows_and_slots_as_layers_of_their_own_do():
+    """Rows leaving, slots moving and compaction give every layer the same keys and values whether the layers are
+    views of one tensor (one operation for all) or keep their own storage (one per layer)."""
+    m = tiny_model("llama")
+    heads = [m.config.num_key_value_heads] * m.config.num_hidden_layers
+    results = []
+    for stacked in (True, False):
+        cache, _ = _filled_cache(m, stacked, heads)
+        assert (cache.stack is not None and cache.stack.whole) == stacked
+        cache.keep_rows([3, 1, 0], torch.device("cpu"))  # row 3 takes row 0's place, row 0 row 2's
+        cache.move_slots(torch.tensor([0, 2]), torch.tensor([5, 4]), torch.tensor([1, 2]))
+        cache.gather_slots(torch.tensor([[0, 2, 5], [1, 3, 4], [0, 1, 2]]))
+        results.append([t.clone() for layer in cache.layers for t in (layer.keys, layer.values)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][0].shape == (3, heads[0], 3, 8)
+
+
+def test_a_layer_of_another_shape_gives_every_layer_storage_of_its_own():
+    """The stack needs one shape for every layer: a layer with other KV heads makes the layers keep storage of their
+    own, with what they held, and the cache's operations go layer by layer."""
+    m = tiny_model("llama")
+    heads = [2] + [4] * (m.config.num_hidden_layers - 1)
+    cache, written = _filled_cache(m, True, heads)
+    assert cache.stack.k is None and all(layer.stack is None for layer in cache.layers)
+    assert all(
+        torch.equal(layer.keys, keys) and torch.equal(layer.values, keys + 1)
+        for layer, keys in zip(cache.layers, written)
+    )
+    cache.keep_rows([2], torch.device("cpu"))
+    assert all(torch.equal(layer.keys, keys[2:3]) for layer, keys in zip(cache.layers, written))
 
 
 def test_ngram_pool_keeps_recent_distinct_continuations():
