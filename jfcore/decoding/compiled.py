@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from jfcore.decoding.graphs import graph_forward
-from jfcore.decoding.kv_cache import SlotCache
+from jfcore.decoding.kv_cache import SlotCache, shape_bucket
 from jfcore.decoding.slots import FixedForward
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -36,7 +36,7 @@ def compiled_forward(model: torch.nn.Module) -> torch.nn.Module:
 
 class InductorForward:
     """Decode forwards through `compiled_forward(model)`, at the shapes the slot batch pads to, with rows padded to
-    a power of two as well (so a batch whose rows come and go meets few shapes; padding rows compute on zeros in
+    a bucket as well (`shape_bucket`) (so a batch whose rows come and go meets few shapes; padding rows compute on zeros in
     cache rows no real row reads, and are dropped)."""
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module | None = None):
@@ -46,7 +46,7 @@ class InductorForward:
     def __call__(self, cache: SlotCache, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens, mask = inputs["input_ids"], inputs["attention_mask"]
         rows, width = tokens.shape
-        padded = 1 << (rows - 1).bit_length()
+        padded = shape_bucket(rows)
         if padded > rows:
             inputs = {k: torch.cat([v, v.new_zeros((padded - rows, *v.shape[1:]))]) for k, v in inputs.items()}
         write_at = torch.empty(width, dtype=torch.long, device=tokens.device)

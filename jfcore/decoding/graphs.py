@@ -4,8 +4,8 @@ On a GPU a small model's forward is a few hundred kernel launches whose Python a
 the kernels themselves; a CUDA graph replays all of them with one call. A graph bakes in its shapes and the
 addresses of everything it reads and writes, so:
 
-- shapes come in buckets: rows padded to a power of two, the query width to a power of two (the slot batch), the
-  cache read in whole granules. A bucket's graph is captured the first time it is met: one eager warm-up
+- shapes come in buckets: rows and the query width (the slot batch) padded to a power of two or 1.5 times one
+  (`shape_bucket`), the cache read in whole granules. A bucket's graph is captured the first time it is met: one eager warm-up
   forward on a side stream, then the capture, then the replay that computes the step;
 - inputs are copied into static buffers each step (tokens, positions, the additive mask, the cache write
   positions), and the logits come back in the graph's own output buffer, valid until the next forward;
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from jfcore.config import ConfigError
-from jfcore.decoding.kv_cache import SlotCache
+from jfcore.decoding.kv_cache import SlotCache, shape_bucket
 
 
 @dataclass
@@ -77,7 +77,7 @@ class GraphForward:
         """Logits [rows, width, vocab] of one decode forward; a view of the graph's output buffer."""
         tokens, mask = inputs["input_ids"], inputs["attention_mask"]
         rows, width = tokens.shape
-        padded = 1 << (rows - 1).bit_length()
+        padded = shape_bucket(rows)
         key = (padded, width, mask.shape[-1])
         bucket = self.buckets.get(key)
         if bucket is None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from jfcore.decoding.head import split_head
-from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules
+from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules, shape_bucket
 from jfcore.decoding.shared_prefix import Prefix, PrefixRows, use_wrapper
 
 FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
@@ -41,7 +41,7 @@ class SlotBatch:
         fixed_forward: FixedForward | None = None,
     ):
         """`fixed_forward`: runs decode forwards at fixed shapes (compiled, or CUDA graphs:
-        jfcore/decoding/compiled.py): the query width padded to a power of two and the cache read in whole
+        jfcore/decoding/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in whole
         granules (the first forward, the prefill, stays eager: prompts have any length)."""
         self.model = model
         self.fixed_forward = fixed_forward
@@ -102,8 +102,8 @@ class SlotBatch:
         """
         q = tokens.shape[1]
         fixed = self.fixed_forward is not None and self.num_slots > 0 and self.cache.in_place and self.shared is None
-        if fixed:  # pad the queries to a power of two: padding slots are never kept, and `keep` crops them
-            width = 1 << (q - 1).bit_length()
+        if fixed:  # pad the queries to a bucket: padding slots are never kept, and `keep` crops them
+            width = shape_bucket(q)
             tokens, query_valid, positions = (_pad(t, width) for t in (tokens, query_valid, positions))
             tree = None if tree is None else _pad(_pad(tree, width).transpose(1, 2), width).transpose(1, 2)
         self._new = self.num_slots

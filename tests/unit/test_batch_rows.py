@@ -14,7 +14,7 @@ from jfcore.decoding import DecodeConfig, StepEvent
 from jfcore.decoding.compiled import InductorForward
 from jfcore.decoding.graphs import GraphForward
 from jfcore.decoding.jacobi import JacobiDecoder, _tree
-from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer
+from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer, shape_bucket
 from jfcore.decoding.scheduler import LiveBatch, fill_from_the_end
 from jfcore.decoding.slots import SlotBatch, left_pad
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
@@ -202,7 +202,7 @@ def test_rows_leave_and_join_without_copying_the_other_rows():
 @pytest.mark.parametrize("fixed", ["padded widths", "graph buffers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_fixed_shape_forwards_are_exact(arch, fixed):
-    """The fixed-shape path's mechanics, run eagerly: queries padded to a power of two, the cache read in whole
+    """The fixed-shape path's mechanics, run eagerly: queries padded to a bucket, the cache read in whole
     granules through a position tensor, 4D masks, padding slots cropped; and for CUDA graphs (`capture=False`: the
     forward runs on the static buffers instead of replaying) rows padded to a bucket, inputs copied into static
     buffers, rows leaving and the cache growing under the graphs. Every method still gives `generate`'s tokens,
@@ -235,6 +235,14 @@ def test_fixed_shape_forwards_are_exact(arch, fixed):
         out = [row.out for row in rows]
         assert out == [greedy_reference(m, p, n) for p, n in zip(prompts, budgets)], config.describe()
     assert any(w & (w - 1) for w in widths)  # some forwards really were padded (a width not a power of two)
+
+
+def test_shapes_are_padded_to_the_nearest_bucket():
+    """Buckets are the powers of two and 1.5 times them; each size pads to the smallest bucket that holds it."""
+    buckets = sorted({m << k for m in (1, 3) for k in range(14)} - {0})
+    for n in range(1, 4097):
+        assert shape_bucket(n) == next(b for b in buckets if b >= n)
+    assert shape_bucket(40) == 48 and shape_bucket(49) == 64
 
 
 def test_a_new_decode_moves_into_the_graphs_storage_only_once_the_old_cache_is_gone():
