@@ -36,8 +36,8 @@ def compiled_forward(model: torch.nn.Module) -> torch.nn.Module:
 
 class InductorForward:
     """Decode forwards through `compiled_forward(model)`, at the shapes the slot batch pads to, with rows padded to
-    a bucket as well (`shape_bucket`) (so a batch whose rows come and go meets few shapes; padding rows compute on zeros in
-    cache rows no real row reads, and are dropped)."""
+    a bucket as well (`shape_bucket`: a batch whose rows come and go meets few shapes; padding rows compute on
+    zeros in cache rows no real row reads, and are dropped)."""
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module | None = None):
         """`module`: what runs the forwards (default: `model` compiled; the tests pass the eager model)."""

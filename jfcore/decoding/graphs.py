@@ -5,8 +5,8 @@ the kernels themselves; a CUDA graph replays all of them with one call. A graph 
 addresses of everything it reads and writes, so:
 
 - shapes come in buckets: rows and the query width (the slot batch) padded to a power of two or 1.5 times one
-  (`shape_bucket`), the cache read in whole granules. A bucket's graph is captured the first time it is met: one eager warm-up
-  forward on a side stream, then the capture, then the replay that computes the step;
+  (`shape_bucket`), the cache read in whole granules. A bucket's graph is captured the first time it is met: one
+  eager warm-up forward on a side stream, then the capture, then the replay that computes the step;
 - inputs are copied into static buffers each step (tokens, positions, the additive mask, the cache write
   positions), and the logits come back in the graph's own output buffer, valid until the next forward;
 - the KV cache's storage must stay put: `SlotCache` keeps rows' storage when rows leave and has room for a

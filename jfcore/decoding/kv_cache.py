@@ -4,7 +4,8 @@ transformers' `DynamicCache` grows by concatenation, so every forward copies the
 batch 64 that copy costs as much as a small model's forward. `SlotCache` keeps each full-attention layer's keys
 and values in storage with room to spare ([batch, heads, capacity, head_dim]); a forward writes its new slots in
 place and attention reads a view of the used part. Dropping rejected draft slots moves the length back (`crop`),
-squeezing holes out gathers in place, and storage grows by doubling, so the copies are rare.
+squeezing holes out gathers in place, and storage grows by doubling, so the copies are rare. Every layer's storage
+is a view of one tensor (`LayerStack`), so moving rows or slots is one operation for all layers.
 
 For a compiled forward the shapes must repeat and nothing the graph reads may change every step: `fixed_shape`
 makes every layer write its slots at a position tensor (not the Python length) and return a view of a fixed
@@ -216,14 +217,16 @@ class SlotLayer(DynamicLayer):
 class LayerStack:
     """Every full-attention layer's keys and values in one tensor each, [layers, rows, heads, slots, head_dim],
     each layer's storage a view of it (as one tensor holds every layer's KV blocks in engines built for speed).
-    Moving rows or slots, and compaction, are then one indexing operation for all layers rather than one per layer:
-    at SmolLM2-135M's 30 layers, per-layer operations were most of a decode step's host work. A layer whose heads,
-    head size, dtype or device differ from the first layer's makes the layers keep storage of their own."""
+    Moving rows or slots is then one indexing operation for all layers rather than one per layer: at SmolLM2-135M's
+    30 layers, per-layer operations were most of a GPU decode step's host work. Storage grows for all layers at
+    once. A layer whose heads, head size, dtype or device differ from the first layer's makes the layers keep
+    storage of their own."""
 
     def __init__(self, layers: list[SlotLayer]):
         self.layers = layers
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.storage_id = -1
         for layer in layers:
             layer.stack = self
 

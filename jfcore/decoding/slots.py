@@ -41,8 +41,8 @@ class SlotBatch:
         fixed_forward: FixedForward | None = None,
     ):
         """`fixed_forward`: runs decode forwards at fixed shapes (compiled, or CUDA graphs:
-        jfcore/decoding/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in whole
-        granules (the first forward, the prefill, stays eager: prompts have any length)."""
+        jfcore/decoding/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in
+        whole granules (the first forward, the prefill, stays eager: prompts have any length)."""
         self.model = model
         self.fixed_forward = fixed_forward
         self.device = next(model.parameters()).device
@@ -91,10 +91,9 @@ class SlotBatch:
     ) -> torch.Tensor:
         """Run the model on `tokens` [B, Q] appended after the current slots.
 
-        All inputs are host tensors, but `tree` may be on the device. `query_valid` marks real query tokens
-        (others are row padding), `positions` are their position ids. `tree`
-        [B, Q, Q], if given, says which new tokens each new token may attend
-        to (default: causal).
+        All inputs are host tensors, but `tree` may be on the device. `query_valid` marks real query
+        tokens (others are row padding), `positions` are their position ids. `tree` [B, Q, Q], if
+        given, says which new tokens each new token may attend to (default: causal).
         Returns logits [B, Q, V], or with `packed` (and a model whose head can
         be split off: jfcore/decoding/head.py) [N, V] for the N real queries
         in row-major order when there is row padding. The Q new slots stay in
