@@ -242,12 +242,7 @@ class LayerStack:
             self.k = key_states.new_zeros((len(self.layers), rows, heads, 0, dim))
             self.v = torch.zeros_like(self.k)
             self.storage_id = next(_ALLOCATIONS)
-        elif (heads, dim, key_states.dtype, key_states.device) != (
-            self.k.shape[2],
-            self.k.shape[4],
-            self.k.dtype,
-            self.k.device,
-        ):
+        elif not self._holds(heads, dim, key_states):
             self.leave()
             return False
         self._point(self.layers.index(layer))
@@ -273,14 +268,8 @@ class LayerStack:
         """Move into another stack's tensors (its cache is gone) if they hold this one's used rows and slots."""
         rows = max(layer.rows for layer in self.layers)
         slots = max(layer.length for layer in self.layers)
-        if k.shape[0] != self.k.shape[0] or (k.shape[2], k.shape[4], k.dtype, k.device) != (
-            self.k.shape[2],
-            self.k.shape[4],
-            self.k.dtype,
-            self.k.device,
-        ):
-            return False
-        if k.shape[1] < rows or k.shape[3] < slots:
+        layers, storage_rows, heads, storage_slots, dim = k.shape
+        if layers != len(self.layers) or not self._holds(heads, dim, k) or storage_rows < rows or storage_slots < slots:
             return False
         k[:, :rows, :, :slots] = self.k[:, :rows, :, :slots]
         v[:, :rows, :, :slots] = self.v[:, :rows, :, :slots]
@@ -294,6 +283,10 @@ class LayerStack:
         for layer in self.layers:
             layer.stack = None
         self.k = self.v = None
+
+    def _holds(self, heads: int, dim: int, like: torch.Tensor) -> bool:
+        """Whether keys of `heads` heads of size `dim`, with `like`'s dtype and device, are what the stack holds."""
+        return (heads, dim, like.dtype, like.device) == (self.k.shape[2], self.k.shape[4], self.k.dtype, self.k.device)
 
     def _point(self, i: int) -> None:
         """Make layer `i`'s storage its view of the stack."""
