@@ -90,11 +90,21 @@ def measure(args: argparse.Namespace) -> dict:
         sequences = [o.sequences[0] for o in outs]
         tokens = sum(map(len, sequences))
         forwards = sum(o.stats.forward_calls for o in outs)
+        # Where a decode's time goes, so a change in tokens/s can be placed: its prefill, its steps (of which
+        # forwards, graph storage adoption and replays included), and the rest (the call's own set-up and return).
+        prefill = sum(o.stats.prefill_seconds for o in outs)
+        steps = sum(o.stats.decode_seconds for o in outs)
         result["decode"][method] = {
             "tokens": tokens,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1),
             "tokens_per_forward": round(tokens / forwards, 3),
+            "split_s": {
+                "prefill": round(prefill, 4),
+                "steps": round(steps, 4),
+                "forwards": round(sum(o.stats.forward_seconds for o in outs), 4),
+                "rest": round(seconds - prefill - steps, 4),
+            },
             "digest": _digest(sequences),
             "sequences": sequences,
         }
@@ -311,6 +321,8 @@ def _print(r: dict) -> None:
     for method, d in r["decode"].items():
         print(
             f"{r['variant']:12s} decode {method:7s} {d['tokens_per_s']:8.1f} tok/s  TPF {d['tokens_per_forward']}  {d['digest']}"
+            + "  s: "
+            + "  ".join(f"{part} {value}" for part, value in d["split_s"].items())
         )
     for batch, d in r["trajectories"].items():
         print(f"{r['variant']:12s} trajectories batch {batch:3s} {d['tokens_per_s']:8.1f} tok/s  {d['digest']}")
