@@ -9,6 +9,8 @@ cache), one forward of q new positions for each q and each variant:
 - inductor: `torch.compile(model, dynamic=False)` (one graph per shape: q and the cache length are fixed here)
 - inductor-frozen: the same with inductor's weight freezing (constant-folded, prepacked weights)
 - inductor-dynamic: `dynamic=True`, one graph for every q and cache length (what a decoder could use as is)
+- linear-auto: eager, with linear layers as `DecodeConfig.linear="auto"` runs them (jfcore/decoding/linear.py:
+  products over a few rows computed weight first where that measures faster)
 
 Eager and one compiled variant per run (dynamo keys compiled code to the forward's code, so a second variant in
 one process would reuse the first's graphs), their widths interleaved over rounds so that drift hits both alike;
@@ -16,6 +18,7 @@ the median is kept. Compile seconds are reported apart. Printed and written to J
 
     python -m bench.compile_curve                          # SmolLM2-135M, batch 1, fp32, q = 1 2 4 8 16, inductor
     python -m bench.compile_curve --compiled inductor-frozen --widths 1 16 --rounds 3
+    python -m bench.compile_curve --compiled linear-auto --widths 1 2 3 4 6 8 12 16
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ from pathlib import Path
 
 import torch
 
+from jfcore.decoding.linear import FasterLinear, faster_linear
 from jfcore.decoding.sampling import greedy_argmax
 from jfcore.decoding.slots import SlotBatch
 from jfcore.models import ModelConfig, load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMPILED = ("inductor", "inductor-frozen", "inductor-dynamic")
+BESIDE = (*COMPILED, "linear-auto")
 
 
 def build(model: torch.nn.Module, variant: str) -> torch.nn.Module:
-    if variant == "eager":
+    if variant in ("eager", "linear-auto"):
         return model
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
@@ -51,12 +56,12 @@ def build(model: torch.nn.Module, variant: str) -> torch.nn.Module:
 class Runner:
     """One variant's slot batch on a fixed context; `forward(q)` times one forward of q new positions."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, context: int, seed: int):
+    def __init__(self, model: torch.nn.Module, batch: int, context: int, seed: int, linear: FasterLinear | None = None):
         vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
         self.model, self.batch, self.context = model, batch, context
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab = vocab or model.config.vocab_size
-        self.slots = SlotBatch(model, batch, compact=False)
+        self.slots = SlotBatch(model, batch, compact=False, linear=linear)
         prompt = torch.randint(0, self.vocab, (batch, context), generator=self.generator)
         valid = torch.ones(batch, context, dtype=torch.bool)
         self.slots.forward(prompt, valid, torch.arange(context).expand(batch, -1))
@@ -77,7 +82,7 @@ class Runner:
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=ModelConfig().name_or_path)
-    p.add_argument("--compiled", default="inductor", choices=COMPILED, help="the compiled variant beside eager")
+    p.add_argument("--compiled", default="inductor", choices=BESIDE, help="the variant beside eager")
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
@@ -90,7 +95,10 @@ def main(argv: list[str] | None = None) -> Path:
     runners, compile_seconds = {}, {}
     for variant in variants:
         start = time.perf_counter()
-        runners[variant] = Runner(build(model, variant), args.batch, args.context, seed=0)
+        linear = faster_linear(model) if variant == "linear-auto" else None
+        if variant == "linear-auto":
+            print(f"linear-auto: {'on' if linear else 'off (torch measured as fast here)'}", flush=True)
+        runners[variant] = Runner(build(model, variant), args.batch, args.context, seed=0, linear=linear)
         for q in widths:  # every shape compiled (and warmed) before anything is timed
             runners[variant].forward(q)
         compile_seconds[variant] = time.perf_counter() - start

@@ -52,6 +52,8 @@ class BenchSettings:
     warmup_tokens: int = 32
     tuned: dict | None = None  # the model's tuned decoding for this machine (DecodeConfig keys), run as "tuned"
     compile: bool = False  # also each project method with compile="inductor" (named "<method>+inductor")
+    lookup_tokens: int = 0  # > 0: also AR with prompt-lookup candidates of this many tokens, 3-gram match ("ar+L2g3")
+    torch_linear: bool = False  # also each project method with linear="torch" (named "<method>+torch_linear")
 
 
 @dataclass
@@ -75,8 +77,12 @@ def project_configs(s: BenchSettings) -> dict[str, dict]:
             "spawn_ratio": s.spawn_ratio,
             "ngram_size": s.ngram_size,
         }
+    if s.lookup_tokens:
+        configs[f"ar+L{s.lookup_tokens}g3"] = {"method": "ar", "lookup_tokens": s.lookup_tokens, "lookup_ngram": 3}
     if s.tuned is not None:
         configs["tuned"] = dict(s.tuned)
+    if s.torch_linear:
+        configs |= {f"{name}+torch_linear": {**c, "linear": "torch"} for name, c in configs.items()}
     if s.compile:
         configs |= {f"{name}+inductor": {**c, "compile": "inductor"} for name, c in configs.items()}
     return configs
@@ -309,6 +315,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also every project method compiled (compile='inductor'); each first decodes every batch untimed",
     )
+    p.add_argument("--lookup-tokens", type=int, default=0, help="also AR + prompt lookup of this many tokens (3-gram)")
+    p.add_argument(
+        "--torch-linear",
+        action="store_true",
+        help="also every project method with linear='torch' (torch's own linear kernels; the default 'auto' may "
+        "compute small products weight first: jfcore/decoding/linear.py)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/decode_<model>_<device>_<dtype>.json)")
     return p.parse_args(argv)
@@ -323,6 +336,8 @@ def main(argv=None) -> int:
         batch_size=args.batch_size,
         warmup_tokens=args.warmup_tokens,
         compile=args.compile,
+        lookup_tokens=args.lookup_tokens,
+        torch_linear=args.torch_linear,
     )
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,6 +2,7 @@
 
     python -m bench.profile_decode                                  # SmolLM2-135M, 8 GSM8K prompts, Jacobi n16, 64 tokens
     python -m bench.profile_decode --method ar --batch 64 --short-forward   # the step_overhead model: host work shows
+    python -m bench.profile_decode --method ar --lookup-tokens 2 --batch 1 --linear torch   # torch's linear kernels
 
 Prints the table and writes it (with the decode's own statistics) as JSON.
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode, special_tokens
+from jfcore.decoding.config import LINEAR_MODES
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import eval_prompts
 
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--linear", default=DecodeConfig.linear, choices=LINEAR_MODES, help="DecodeConfig.linear")
+    p.add_argument("--lookup-tokens", type=int, default=0, help="DecodeConfig.lookup_tokens (3-gram match)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--label", default="run")
     p.add_argument("--out", type=Path)
@@ -45,8 +50,15 @@ def main(argv: list[str] | None = None) -> Path:
         model, tokenizer = load_model(ModelConfig(name_or_path=args.model))
         prompts = [encode_chat(tokenizer, q) for q in eval_prompts("gsm8k", limit=args.batch)]
         eos, pad = special_tokens(model, None, tokenizer.pad_token_id)
-    config = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens)
-    decode(model, prompts[:2], DecodeConfig(method=args.method, max_new_tokens=4), eos_token_id=eos, pad_token_id=pad)
+    config = DecodeConfig(
+        method=args.method,
+        block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens,
+        linear=args.linear,
+        lookup_tokens=args.lookup_tokens,
+        lookup_ngram=3,
+    )
+    decode(model, prompts[:2], replace(config, max_new_tokens=4), eos_token_id=eos, pad_token_id=pad)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out = decode(model, prompts, config, eos_token_id=eos, pad_token_id=pad)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)

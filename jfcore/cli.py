@@ -26,7 +26,7 @@ import torch
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
 from jfcore.decoding import decode, special_tokens
-from jfcore.decoding.config import COMPILE_MODES
+from jfcore.decoding.config import COMPILE_MODES, LINEAR_MODES
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.slots import device_sync
 from jfcore.metadata import decoding_for
@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         help="how decode forwards run: cuda_graphs (one CUDA graph per shape bucket), inductor (torch.compile with "
         "frozen weights; each new shape compiles once, tens of seconds on a CPU, inside the timings: pays on long "
         "runs only), off (eager); default auto: cuda_graphs on a GPU, off elsewhere",
+    )
+    p.add_argument(
+        "--linear",
+        choices=LINEAR_MODES,
+        help="linear layers of eager CPU forwards: auto (default) computes small products weight first wherever "
+        "that measures faster on this host; torch always uses torch's own kernels",
     )
     p.add_argument("--temperature", type=float, help="sample at this temperature (default 0: greedy)")
     p.add_argument("--top-k", type=int, help="with --temperature: keep the k most likely tokens (0: off)")
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens,
             "compile": args.compile,
+            "linear": args.linear,
             "temperature": args.temperature,
             "top_k": args.top_k,
             "top_p": args.top_p,

@@ -9,6 +9,7 @@ from jfcore.config import check
 from jfcore.decoding.sampling import Sampling
 
 COMPILE_MODES = ("auto", "off", "inductor", "cuda_graphs")
+LINEAR_MODES = ("auto", "torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,11 @@ class DecodeConfig:
     # process (tens of seconds on a CPU), so it pays on long runs only. "auto", by measurement: CUDA graphs on a
     # CUDA model (2.6-5.2x batch-1 decoding on an H200), eager elsewhere.
     compile: Literal["auto", "off", "inductor", "cuda_graphs"] = "auto"
+    # Linear layers of eager forwards on a CPU (jfcore/decoding/linear.py): "auto" computes a product over a few
+    # rows as weight x inputs^T wherever that measures faster than torch's own kernel for its shape and row count
+    # (it does on some hosts' matrix libraries: forwards over 2-4 positions then cost what one costs), "torch"
+    # always leaves them to torch.
+    linear: Literal["auto", "torch"] = "auto"
     # Rows whose prompts open with at least this many equal tokens share that prefix's KV, prefilled once
     # (jfcore/decoding/shared_prefix.py; eager forwards of an SDPA model only). 0 turns sharing off.
     share_prefix_tokens: int = 64
@@ -81,6 +87,10 @@ class DecodeConfig:
         check(
             self.compile in COMPILE_MODES,
             f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {self.compile!r}",
+        )
+        check(
+            self.linear in LINEAR_MODES,
+            f"linear must be one of {', '.join(map(repr, LINEAR_MODES))}, got {self.linear!r}",
         )
         Sampling(self.temperature, self.top_k, self.top_p, self.sample_seed)  # checks the sampling settings
         check(

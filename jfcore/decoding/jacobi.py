@@ -41,6 +41,7 @@ import torch
 
 from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
+from jfcore.decoding.linear import faster_linear
 from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
@@ -71,6 +72,8 @@ class JacobiDecoder:
         self.pad = pad_token_id
         self.on_step = on_step
         self.fixed_forward = fixed_forward(model, config.compile)
+        # Eager forwards' linear layers: torch's kernels, or where measured faster the weight-first product.
+        self.linear = faster_linear(model, config.linear) if self.fixed_forward is None else None
         # Prompt prefixes shared between rows are read by an eager attention: fixed-shape forwards keep their own.
         self.share_prefix_tokens = config.share_prefix_tokens if self.fixed_forward is None else 0
         # One block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a decode

@@ -71,7 +71,7 @@ class LiveBatch:
         # Identical prompts (a request's n choices) are prefilled once; their rows then copy its cache row.
         firsts: dict[tuple[int, ...], int] = {}
         source = [firsts.setdefault(tuple(r.prompt), len(firsts)) for r in new]
-        slots = SlotBatch(d.model, len(firsts), fixed_forward=d.fixed_forward)
+        slots = SlotBatch(d.model, len(firsts), fixed_forward=d.fixed_forward, linear=d.linear)
         # Prompts that open alike prefill only what follows their shared prefix, on top of it.
         slots.shared = self._shared_prefixes(list(firsts))
         skip = slots.shared.lengths if slots.shared is not None else [0] * len(firsts)

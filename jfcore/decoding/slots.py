@@ -19,6 +19,7 @@ too, so a step appends nothing by concatenation.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,7 @@ import torch
 
 from jfcore.decoding.head import split_head
 from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules, shape_bucket
+from jfcore.decoding.linear import FasterLinear
 from jfcore.decoding.shared_prefix import Prefix, PrefixRows, use_wrapper
 
 FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
@@ -39,12 +41,15 @@ class SlotBatch:
         batch_size: int,
         compact: bool = True,
         fixed_forward: FixedForward | None = None,
+        linear: FasterLinear | None = None,
     ):
         """`fixed_forward`: runs decode forwards at fixed shapes (compiled, or CUDA graphs:
         jfcore/decoding/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in
-        whole granules (the first forward, the prefill, stays eager: prompts have any length)."""
+        whole granules (the first forward, the prefill, stays eager: prompts have any length). `linear`: the mode
+        eager forwards run under (jfcore/decoding/linear.py; None: torch's own linear layers)."""
         self.model = model
         self.fixed_forward = fixed_forward
+        self.linear = linear
         self.device = next(model.parameters()).device
         self.compact = compact
         self.cache = SlotCache(model.config)
@@ -123,10 +128,12 @@ class SlotBatch:
             model_kwargs["shared_prefix"] = self.shared
         if fixed:
             logits = self.fixed_forward(self.cache, inputs)[:, :q]
-        elif head is not None:
-            logits = head(query_valid, **inputs, past_key_values=self.cache, use_cache=True, **model_kwargs)
         else:
-            logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, **model_kwargs).logits
+            with self.linear.over(tokens.numel()) if self.linear else contextlib.nullcontext():
+                if head is not None:
+                    logits = head(query_valid, **inputs, past_key_values=self.cache, use_cache=True, **model_kwargs)
+                else:
+                    logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, **model_kwargs).logits
         self._sync()
         self.forward_seconds += time.perf_counter() - start
         self._valid[:, self._new : self.num_slots] = False

@@ -21,6 +21,7 @@ import torch
 
 from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
+from jfcore.decoding.linear import faster_linear
 from jfcore.decoding.sampling import greedy_argmax
 from jfcore.decoding.slots import SlotBatch, device_sync
 
@@ -75,13 +76,17 @@ def measure_curve(
     rounds: int = 5,
     seed: int = 0,
     compile: str = DecodeConfig.compile,
+    linear: str = DecodeConfig.linear,
 ) -> CostCurve:
     """Median time of one forward of `batch_size` rows x q new positions on a `context`-token cache, for each q,
-    run the way decoding with `compile` runs it."""
+    run the way decoding with `compile` and `linear` runs it."""
     widths = tuple(sorted(set(widths) | {1}))
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(seed)
-    slots = SlotBatch(model, batch_size, compact=False, fixed_forward=fixed_forward(model, compile))
+    fixed = fixed_forward(model, compile)
+    slots = SlotBatch(
+        model, batch_size, compact=False, fixed_forward=fixed, linear=None if fixed else faster_linear(model, linear)
+    )
     prompt = torch.randint(0, vocab, (batch_size, context), generator=generator)
     valid = torch.ones(batch_size, context, dtype=torch.bool)
     slots.forward(prompt, valid, torch.arange(context).expand(batch_size, -1), logits_to_keep=1)

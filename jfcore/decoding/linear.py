@@ -1,0 +1,179 @@
+"""Linear layers over a few rows on a CPU, computed the faster of two ways (docs/DESIGN.md, "Linear layers on a
+CPU").
+
+A decode forward over q positions multiplies q rows by every weight matrix. Batch-1 decoding is memory-bound, so
+q = 2..16 should cost about what q = 1 costs: the weights are read once either way. Whether it does depends on the
+host's matrix library. On an AMD EPYC host with torch's MKL, `F.linear` over 2 or 3 rows costs 2 or 3 times one row
+(a matrix-vector product per row, each reading the whole weight), and one row through SmolLM2-135M's 49152 x 576
+output head reads its 113 MB at 17 GB/s; the same products computed with the weight first, weight x inputs^T (the
+rows become the library's short dimension), cost 0.3-0.8 of that, and 2.3 ms instead of 6.8 for the head's one row
+(as two equal rows). On another host torch's own way may be the faster.
+
+So, by measurement: `faster_linear(model)` times both ways once on the model's largest weight, at 2 and 4 rows; if
+the weight-first way is clearly faster there, decode forwards over at most `MAX_ROWS` positions run under
+`FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
+untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times its first calls,
+the two ways taking turns (no product is computed twice), and uses the faster from then on. Other dtypes and
+devices, and products that need gradients, go to torch as they are. Both ways compute the same sums in another
+order: results agree to float rounding, which, like any kernel change, can flip a greedy choice only where the top
+two logits tie to rounding (the decoders' tests compare tokens with `generate`'s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from jfcore.decoding.kv_cache import shape_bucket
+
+# Products of more rows go to torch unchanged: its kernels do about as well there (weight first gained 0-30% at
+# 32-128 rows on the host above), and a forward over more positions runs without the mode, whose Python dispatch
+# of every torch call costs a few percent of such a forward.
+MAX_ROWS = 32
+SAMPLES = 3  # timed calls of each way before a weight shape and row count's way is chosen
+PROBE_ROWS = (2, 4)  # where `faster_linear` compares the two ways before using the mode at all
+GAIN = 1.25  # the weight-first way must be this much faster at a probe row count to be used
+# A model whose largest weight is smaller (4 MB in float32) keeps torch's way: its weights stay in cache, where the
+# kernels differ little and a timing is mostly noise.
+MIN_WEIGHT = 1 << 20
+
+Way = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _torch_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T as (weight @ x^T)^T: the rows are the product's short side. One row is sent as two equal rows
+    (a matrix-vector product is the path being avoided)."""
+    rows = x.reshape(-1, x.shape[-1])
+    single = rows.shape[0] == 1
+    out = torch.mm(weight, (torch.cat([rows, rows]) if single else rows).t())
+    out = (out[:, :1] if single else out).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+WAYS: dict[str, Way] = {"torch": _torch_way, "weight_first": _weight_first}
+
+
+def _seconds(way: Way, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    way(x, weight, bias)  # warm: first-call allocations
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        way(x, weight, bias)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fastest(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, dict[str, float]]:
+    """The faster way for these operands (the minimum of 3 timed calls each, after one untimed), and each way's
+    seconds (`faster_linear`'s probe)."""
+    seconds = {name: _seconds(way, x, weight, bias) for name, way in WAYS.items()}
+    return min(seconds, key=seconds.__getitem__), seconds
+
+
+class FasterLinear(TorchFunctionMode):
+    """While active (a context manager), every `F.linear` over at most `MAX_ROWS` float32 CPU rows without
+    gradients runs the way chosen for its weight shape, row count (`shape_bucket` of it) and thread count.
+
+    The choice is measured on the key's own calls, none computed twice: until each way has run `SAMPLES` of them
+    (timed, the ways taking turns), then the way with the shortest call is kept in `choices` (which may be shared
+    between modes: what was measured holds for the host). `choose` (tests) decides instead of measuring."""
+
+    def __init__(
+        self,
+        choices: dict[tuple, str] | None = None,
+        choose: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], str] | None = None,
+    ):
+        super().__init__()
+        self.choices: dict[tuple, str] = {} if choices is None else choices
+        self.choose = choose
+        self.timings: dict[tuple, dict[str, list[float]]] = {}  # undecided keys: each way's timed calls
+
+    def over(self, positions: int) -> contextlib.AbstractContextManager:
+        """The context for a forward over `positions` (rows x queries): this mode, or none if every product would
+        have more than `MAX_ROWS` rows."""
+        return self if positions <= MAX_ROWS else contextlib.nullcontext()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if not _plain(x, weight, bias):
+            return func(*args, **kwargs)
+        key = (tuple(weight.shape), shape_bucket(x.numel() // x.shape[-1]), torch.get_num_threads())
+        way = self.choices.get(key)
+        if way is None and self.choose is not None:
+            way = self.choices[key] = self.choose(x, weight, bias)
+        if way is None:
+            return self._measured(key, x, weight, bias)
+        return WAYS[way](x, weight, bias)
+
+    def _measured(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seconds = self.timings.setdefault(key, {name: [] for name in WAYS})
+        name = min(WAYS, key=lambda n: len(seconds[n]))  # the way with fewer timed calls so far
+        start = time.perf_counter()
+        out = WAYS[name](x, weight, bias)
+        seconds[name].append(time.perf_counter() - start)
+        if all(len(s) >= SAMPLES for s in seconds.values()):
+            self.choices[key] = min(seconds, key=lambda n: min(seconds[n]))
+            self.timings.pop(key, None)
+        return out
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Float32 CPU operands of a plain 2D weight, at most `MAX_ROWS` rows, no gradients wanted."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)) or weight.dim() != 2 or x.dim() < 1:
+        return False
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.device != x.device:
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return x.shape[-1] > 0 and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
+
+
+_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED_CHOICES: dict[tuple, str] = {}
+
+
+def faster_linear(model: torch.nn.Module, setting: str = "auto") -> FasterLinear | None:
+    """The mode `model`'s eager decode forwards run under for a `DecodeConfig.linear` setting: None for "torch",
+    and for "auto" unless the model is float32 on a CPU, its largest linear weight has at least `MIN_WEIGHT`
+    elements and the weight-first way is at least `GAIN` times faster on it at a probe row count (measured once
+    per model)."""
+    if setting == "torch":
+        return None
+    if model not in _MODES:
+        _MODES[model] = FasterLinear(_SHARED_CHOICES) if _gains(model) else None
+    return _MODES[model]
+
+
+@torch.inference_mode()
+def _gains(model: torch.nn.Module) -> bool:
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
+    if not weights:
+        return False
+    weight = max(weights, key=torch.Tensor.numel)
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < MIN_WEIGHT:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=generator)
+        _, seconds = fastest(x, weight, None)
+        if seconds["torch"] >= GAIN * seconds["weight_first"]:
+            return True
+    return False
