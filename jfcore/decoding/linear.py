@@ -66,20 +66,14 @@ WAYS: dict[str, Way] = {"torch": _torch_way, "weight_first": _weight_first}
 
 
 def _seconds(way: Way, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
-    way(x, weight, bias)  # warm: first-call allocations
+    """The shortest of 3 timed calls, after one untimed (first-call allocations)."""
+    way(x, weight, bias)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         way(x, weight, bias)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def fastest(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, dict[str, float]]:
-    """The faster way for these operands (the minimum of 3 timed calls each, after one untimed), and each way's
-    seconds (`faster_linear`'s probe)."""
-    seconds = {name: _seconds(way, x, weight, bias) for name, way in WAYS.items()}
-    return min(seconds, key=seconds.__getitem__), seconds
 
 
 class FasterLinear(TorchFunctionMode):
@@ -173,7 +167,6 @@ def _gains(model: torch.nn.Module) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=generator)
-        _, seconds = fastest(x, weight, None)
-        if seconds["torch"] >= GAIN * seconds["weight_first"]:
+        if _seconds(_torch_way, x, weight, None) >= GAIN * _seconds(_weight_first, x, weight, None):
             return True
     return False
