@@ -31,6 +31,7 @@ The rules are written here row by row. Rows with one block and no candidates
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import random
@@ -41,7 +42,7 @@ import torch
 
 from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
-from jfcore.decoding.linear import faster_linear
+from jfcore.decoding.linear import FasterLinear, faster_linear
 from jfcore.decoding.lookup import PromptLookup
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
@@ -72,8 +73,6 @@ class JacobiDecoder:
         self.pad = pad_token_id
         self.on_step = on_step
         self.fixed_forward = fixed_forward(model, config.compile)
-        # Eager forwards' linear layers: torch's kernels, or where measured faster the weight-first product.
-        self.linear = faster_linear(model, config.linear) if self.fixed_forward is None else None
         # Prompt prefixes shared between rows are read by an eager attention: fixed-shape forwards keep their own.
         self.share_prefix_tokens = config.share_prefix_tokens if self.fixed_forward is None else 0
         # One block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a decode
@@ -87,6 +86,14 @@ class JacobiDecoder:
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if takes_keep else {}
+
+    @functools.cached_property
+    def linear(self) -> FasterLinear | None:
+        """Eager forwards' linear layers: torch's kernels, or where measured faster the weight-first product.
+        Resolved at the first forward, so that the probe's matrix products run on the thread that decodes. jf-serve
+        builds its decoder on the main thread and decodes on its engine thread; with the probe on the main thread,
+        the engine's forwards ran 15-30% slower, those without the mode too (bench/serve_bench.py, 16 clients)."""
+        return faster_linear(self.model, self.config.linear) if self.fixed_forward is None else None
 
     def new_row(
         self,

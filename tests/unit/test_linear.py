@@ -3,12 +3,14 @@ used, decoding still exact."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from jfcore.config import ConfigError
-from jfcore.decoding import DecodeConfig, decode
+from jfcore.decoding import DecodeConfig, decode, jacobi
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.linear import MAX_ROWS, SAMPLES, WAYS, FasterLinear, faster_linear
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
@@ -132,3 +134,23 @@ def test_decoding_through_the_weight_first_way_matches_generate(arch, method):
     assert decoder.decode(prompts[:1]).sequences == expected[:1]  # one row: AR's products are one row each
     assert 1 in chosen and max(chosen) > 1  # one-row products and wider ones went through it
     assert decode(model, prompts, config, eos_token_id=[], pad_token_id=0).sequences == expected
+
+
+def test_the_linear_probe_runs_on_the_thread_that_decodes(monkeypatch):
+    """jf-serve builds its decoder on one thread and decodes on another: the probe's products belong to the
+    second (torch work on the first slowed every later forward of the second)."""
+    probed_on = []
+
+    def probe(model, setting):
+        probed_on.append(threading.current_thread())
+        return None
+
+    monkeypatch.setattr(jacobi, "faster_linear", probe)
+    model = tiny_model(next(iter(ARCHITECTURES)))
+    decoder = JacobiDecoder(model, DecodeConfig(method="ar", max_new_tokens=4), [], 0)
+    assert probed_on == []  # building the decoder measures nothing
+    worker = threading.Thread(target=decoder.decode, args=([[5, 6, 7]],))
+    worker.start()
+    worker.join()
+    decoder.decode([[5, 6, 7]])
+    assert probed_on == [worker]  # once, on the decoding thread
