@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> Path:
     runners, compile_seconds = {}, {}
     for variant in variants:
         start = time.perf_counter()
-        linear = faster_linear(model) if variant == "linear-auto" else None
+        linear = None
         if variant == "linear-auto":
+            linear = faster_linear(model)
             print(f"linear-auto: {'on' if linear else 'off (torch measured as fast here)'}", flush=True)
         runners[variant] = Runner(build(model, variant), args.batch, args.context, seed=0, linear=linear)
         for q in widths:  # every shape compiled (and warmed) before anything is timed

@@ -90,9 +90,8 @@ class JacobiDecoder:
     @functools.cached_property
     def linear(self) -> FasterLinear | None:
         """Eager forwards' linear layers: torch's kernels, or where measured faster the weight-first product.
-        Resolved at the first forward, so that the probe's matrix products run on the thread that decodes. jf-serve
-        builds its decoder on the main thread and decodes on its engine thread; with the probe on the main thread,
-        the engine's forwards ran 15-30% slower, those without the mode too (bench/serve_bench.py, 16 clients)."""
+        Resolved at the first forward, so that the probe runs on the thread that decodes (jf-serve's engine thread,
+        not the one that built the decoder: docs/DESIGN.md, "Linear layers on a CPU")."""
         return faster_linear(self.model, self.config.linear) if self.fixed_forward is None else None
 
     def new_row(
