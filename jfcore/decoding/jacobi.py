@@ -68,6 +68,7 @@ class JacobiDecoder:
         self.model = model
         self.config = config
         self.block_size = 1 if config.method == "ar" else config.block_size
+        self.blocks_in_flight = config.blocks_in_flight
         self.record = config.record_trajectories
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
@@ -160,26 +161,22 @@ class JacobiDecoder:
         layouts = [self._layout(row) for row in rows]
         lengths = [len(inputs) for inputs, _, _ in layouts]
         width = max(lengths)
-        tokens, positions = [], []
-        for row, (inputs, offsets, _), n in zip(rows, layouts, lengths):
-            base = len(row.prompt) + row.verified  # next position = committed tokens, no device sync
-            tokens.append(inputs + [self.pad] * (width - n))
-            positions.append([base + o for o in offsets] + [0] * (width - n))
+        pad = self.pad
+        tokens = host_tensor([inputs + [pad] * (width - n) for (inputs, _, _), n in zip(layouts, lengths)])
+        # Offsets from draft[0]'s position (row padding: 0), then every row's own in one tensor addition.
+        offsets = host_tensor([o + [0] * (width - n) for (_, o, _), n in zip(layouts, lengths)])
+        committed = host_tensor([len(row.prompt) + row.verified for row in rows])  # draft[0]'s position, no sync
+        positions = offsets + committed[:, None]
         valid = torch.arange(width) < host_tensor(lengths)[:, None]
 
         def generated() -> torch.Tensor:
             """What each query predicts: the token after it, whose generated position counts from draft[0]'s."""
-            return host_tensor(
-                [
-                    [len(row.out) + o + 1 for o in offsets] + [0] * (width - len(offsets))
-                    for row, (_, offsets, _) in zip(rows, layouts)
-                ]
-            )
+            return offsets + host_tensor([len(row.out) + 1 for row in rows])[:, None]
 
         # A row whose draft is one token and that has one candidate is a plain causal chain.
         use_tree = any(cands and (len(inputs) - len(cands[0][1]) > 1 or len(cands) > 1) for inputs, _, cands in layouts)
-        tree = _tree([cands for _, _, cands in layouts], lengths, width, batch.device) if use_tree else None
-        logits = batch.forward(host_tensor(tokens), valid, host_tensor(positions), tree, packed=True)
+        tree = _tree(offsets, batch.device) if use_tree else None
+        logits = batch.forward(tokens, valid, positions, tree, packed=True)
         predictions = self.choose(logits, rows, generated, valid).tolist()  # one host sync per forward
         keep, accepted = [], []
         for row, pred, (inputs, _, cands) in zip(rows, predictions, layouts):
@@ -216,7 +213,7 @@ class JacobiDecoder:
             row.copied = copied = tuple(row.lookup.propose(draft[0], row.max_new_tokens - len(row.out) - 1))
             if copied and copied not in grams:
                 grams.append(copied)
-        inputs, offsets, cands = list(draft), list(range(len(draft))), []
+        inputs, offsets, cands = draft, list(range(len(draft))), []  # `row.draft` is a fresh list: extended in place
         for gram in grams:
             cands.append((len(inputs), gram))
             inputs.extend(gram)
@@ -257,7 +254,7 @@ class JacobiDecoder:
         row.verified += len(accepted)
         if row.pool is not None:
             row.pool.add(draft[a:])  # the rejected tail: right phrases at wrong offsets come back
-        progress = self._newest_progress(row, draft, pred) if self.config.blocks_in_flight > 1 else 0
+        progress = self._newest_progress(row, draft, pred) if self.blocks_in_flight > 1 else 0
         guess = pred[len(draft) - 1]  # the model's token after the whole draft
         rest = [correction, *pred[len(accepted) : len(draft) - 1]]  # the Jacobi update
         if self._emit(row, accepted):
@@ -315,7 +312,7 @@ class JacobiDecoder:
         elif not row.blocks:
             row.block_start = len(row.out)
             self._open_block(row, next_token)
-        elif len(row.blocks) < cfg.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
+        elif len(row.blocks) < self.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
             self._open_block(row, guess)
 
     def _open_block(self, row: Row, first: int) -> None:
@@ -367,20 +364,23 @@ def collector_paused():
             gc.enable()
 
 
-def _tree(candidates: list[Candidates], widths: list[int], width: int, device: torch.device) -> torch.Tensor:
+def _tree(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[B, Q, Q] on `device`: causal among each row's draft; each candidate sees the draft's first token and its
-    own prefix.
+    own prefix. `offsets` [B, Q]: each query's position past the draft's first token, as `JacobiDecoder._layout`
+    lays them out (the draft 0, 1, 2, ...; each candidate 1, 2, ... again; row padding 0).
 
-    Built from one segment id per position (0: the draft, i: the i-th candidate, -1: row padding) in a few tensor
-    operations for the whole batch, where the mask is built (only the segment ids cross to a GPU)."""
-    segments = []
-    for cands, n in zip(candidates, widths):
-        seg = [0] * (cands[0][0] if cands else n)
-        for i, (_, gram) in enumerate(cands, start=1):
-            seg += [i] * len(gram)
-        segments.append(seg + [-1] * (width - len(seg)))
-    seg = host_tensor(segments).to(device, non_blocking=True)
-    tree = seg[:, :, None] == seg[:, None, :]  # padding (-1) matches padding here; the mask hides padding keys
-    tree &= torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    tree[:, :, 0] |= seg > 0
-    return tree
+    So query i at offset k sees column 0 (the draft's first token), itself and the k - 1 queries before it: for
+    the draft the whole draft up to itself, for a candidate its own prefix; padding sees column 0. That is one
+    comparison with a fixed matrix per width (`_lags`) for the whole batch, where the mask is built (only the
+    offsets cross to a GPU)."""
+    return _lags(offsets.shape[1], device) < offsets.to(device, non_blocking=True)[:, :, None]
+
+
+@functools.cache
+def _lags(width: int, device: torch.device) -> torch.Tensor:
+    """[width, width]: i - j for 1 <= j <= i, -1 at j = 0 (seen at any offset), `width` above the diagonal (never
+    seen): query i at offset k sees key j exactly where this is < k."""
+    rows, columns = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)
+    lags = (rows - columns).masked_fill_(columns > rows, width)
+    lags[:, 0] = -1
+    return lags

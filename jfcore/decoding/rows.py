@@ -40,7 +40,11 @@ class Row:
 
     @property
     def draft(self) -> list[int]:
-        return [t for block in self.blocks for t in block]
+        """The in-flight blocks end to end, as a new list."""
+        draft: list[int] = []
+        for block in self.blocks:
+            draft += block
+        return draft
 
 
 def refill(row: Row, tokens: list[int]) -> None:

@@ -20,6 +20,7 @@ too, so a step appends nothing by concatenation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -98,7 +99,7 @@ class SlotBatch:
 
         All inputs are host tensors, but `tree` may be on the device. `query_valid` marks real query
         tokens (others are row padding), `positions` are their position ids. `tree` [B, Q, Q], if
-        given, says which new tokens each new token may attend to (default: causal).
+        given, says which new tokens each new token may attend to, row padding hidden (default: causal).
         Returns logits [B, Q, V], or with `packed` (and a model whose head can
         be split off: jfcore/decoding/head.py) [N, V] for the N real queries
         in row-major order when there is row padding. The Q new slots stay in
@@ -140,20 +141,33 @@ class SlotBatch:
         return logits
 
     def _mask(self, query_valid: torch.Tensor, tree: torch.Tensor | None, view: int) -> torch.Tensor:
-        """[B, 1, Q, view] additive mask: each query sees its row's valid slots, and the new ones its `tree` (default:
-        causal) allows; slots past the cache's end are hidden. Only booleans go to the device ([B, old slots] and
-        [B, Q, Q]); the mask, a float per query and slot (8 MB at 64 rows x 64 queries x 512 slots), is built there
-        rather than on the host and copied."""
+        """[B, 1, Q, view] additive mask: each query sees its row's valid slots, and the new ones its `tree` allows
+        (default: the real queries, causally); slots past the cache's end are hidden. Only booleans go to the
+        device ([B, old slots] and [B, Q, Q]); the mask, a float per query and slot (8 MB at 64 rows x 64 queries x
+        512 slots), is built there rather than on the host and copied. Every query of a row sees the same old
+        slots, so that part is one row of floats per batch row, broadcast by the one copy that writes the whole
+        mask (docs/DESIGN.md, "The candidate tree is one comparison")."""
         rows, q = query_valid.shape
         if tree is None:
-            tree = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(rows, -1, -1)
+            causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+            tree = causal & query_valid.to(self.device, non_blocking=True)[:, None, :]
         old = self.valid[:, : self._new].to(self.device, non_blocking=True)
-        new = tree.to(self.device) & query_valid.to(self.device, non_blocking=True)[:, None, :]
+        new = tree.to(self.device)
+        seen, hidden = self._mask_values
+        parts = [torch.where(old, seen, hidden)[:, None, :].expand(-1, q, -1), torch.where(new, seen, hidden)]
+        if view > self._new + q:
+            parts.append(hidden.expand(rows, q, view - self._new - q))
+        return torch.cat(parts, dim=2)[:, None]
+
+    @functools.cached_property
+    def _mask_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The additive mask's two values, 0 (seen) and the dtype's lowest (hidden), as 0-d tensors of the model's
+        dtype on its device."""
         dtype = self.model.dtype
-        mask = torch.full((rows, 1, q, view), torch.finfo(dtype).min, dtype=dtype, device=self.device)
-        mask[:, 0, :, : self._new].masked_fill_(old[:, None, :], 0.0)
-        mask[:, 0, :, self._new : self._new + q].masked_fill_(new, 0.0)
-        return mask
+        return (
+            torch.zeros((), dtype=dtype, device=self.device),
+            torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device),
+        )
 
     def _append(self, slots: torch.Tensor) -> None:
         end = self.num_slots + slots.shape[1]
@@ -174,7 +188,7 @@ class SlotBatch:
 
     def keep_slots(self, kept: list[list[int]]) -> None:
         """`keep` for kept slot indices per row (each within the last forward's slots, ascending), without a
-        [B, Q] tensor built row by row: one scatter, and the crop read off the lists.
+        [B, Q] tensor built row by row, and the crop read off the lists.
 
         A row that commits a candidate keeps its first slot and the candidate's, tens of slots further on: left
         there, they would hold every other row's new slots up to them as holes (a 64-row multiblock decode of 64
@@ -182,17 +196,22 @@ class SlotBatch:
         slots are moved up to follow the row's first one (a few slots' keys and values; each keeps its position),
         and every row's kept slots are the first of the new ones."""
         start = self._new
-        rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
-        gapped = {b for b, slots in enumerate(kept) if slots and slots[-1] != len(slots) - 1}
-        if gapped and self.cache.in_place:
-            moved = [(b, s, i) for b in sorted(gapped) for i, s in enumerate(kept[b]) if s != i]
-            who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
-            self.cache.move_slots(who, source + start, target + start)
-            kept = [list(range(len(slots))) if b in gapped else slots for b, slots in enumerate(kept)]
-        columns = host_tensor([s for slots in kept for s in slots])
-        self._valid[rows, columns + start] = True
+        if self.cache.in_place:
+            gapped = (b for b, slots in enumerate(kept) if slots and slots[-1] >= len(slots))
+            moved = [(b, s, i) for b in gapped for i, s in enumerate(kept[b]) if s != i]
+            if moved:
+                who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
+                self.cache.move_slots(who, source + start, target + start)
+            counts = [len(slots) for slots in kept]
+            new = self.num_slots - start
+            self._valid[:, start : start + new] = torch.arange(new) < host_tensor(counts)[:, None]
+            last = max(counts, default=0)
+        else:
+            rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
+            self._valid[rows, host_tensor([s for slots in kept for s in slots]) + start] = True
+            last = max((slots[-1] + 1 for slots in kept if slots), default=0)
         # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
-        self._crop(max((start + max(slots) + 1 for slots in kept if slots), default=start))
+        self._crop(start + last)
 
     def _crop(self, last: int) -> None:
         if last < self.num_slots:

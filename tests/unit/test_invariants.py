@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent, decode
-from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.jacobi import JacobiDecoder, _tree
 from jfcore.decoding.kv_cache import SlotCache
 from jfcore.decoding.ngram_pool import NgramPool
 from jfcore.decoding.slots import SlotBatch
@@ -228,6 +228,41 @@ def test_the_longest_verified_run_wins_and_the_earliest_wins_a_tie(draft, candid
     assert row.out == [inputs[s] for s in kept] and row.verified == len(kept)
     assert row.recycled == recycled
     assert row.blocks[0][0] == pred[kept[-1]]  # the next draft opens with the token after the committed ones
+
+
+def test_the_candidate_tree_shows_each_query_its_own_branch_and_hides_padding():
+    """docs/DESIGN.md, section 7: a draft query sees the draft up to itself; a candidate's query sees the draft's
+    first token and its candidate up to itself; no query sees row padding. Random layouts, checked against that
+    rule written out per query, on the decoder's own layout: offsets from draft[0], each candidate restarting at 1.
+    (A draft of one token followed by a candidate is also a plain causal chain: both readings agree.)"""
+    rng = random.Random(0)
+    decoder = JacobiDecoder(tiny_model("llama"), DecodeConfig(method="multiblock", pool_size=4), [], 0)
+    for _ in range(200):
+        rows = []
+        for _ in range(rng.randrange(1, 5)):
+            draft = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 7))]
+            grams = [tuple(rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(4))]
+            row = decoder.new_row(0, [1, 2])
+            row.blocks, row.sizes = [draft], [len(draft)]
+            row.pool.candidates = lambda first, max_len, grams=grams: list(grams)
+            inputs, offsets, cands = decoder._layout(row)
+            branch = [0] * (cands[0][0] if cands else len(inputs))  # 0: the draft, i: the i-th candidate
+            for i, (_, gram) in enumerate(cands, start=1):
+                branch += [i] * len(gram)
+            rows.append((offsets, branch))
+        width = max(len(offsets) for offsets, _ in rows)
+        tree = _tree(torch.tensor([o + [0] * (width - len(o)) for o, _ in rows]), torch.device("cpu"))
+        for b, (offsets, branch) in enumerate(rows):
+            n = len(offsets)
+            for i in range(width):
+                for j in range(width):
+                    if j >= n:
+                        expected = False  # padding is seen by no one
+                    elif i >= n:
+                        continue  # what padding sees is never read
+                    else:
+                        expected = j <= i and (branch[j] == branch[i] or j == 0)
+                    assert bool(tree[b, i, j]) == expected, (offsets, branch, i, j)
 
 
 def test_stops_at_first_eos_and_max_new_tokens():
