@@ -11,6 +11,8 @@ cache), one forward of q new positions for each q and each variant:
 - inductor-dynamic: `dynamic=True`, one graph for every q and cache length (what a decoder could use as is)
 - linear-auto: eager, with linear layers as `DecodeConfig.linear="auto"` runs them (jfcore/decoding/linear.py:
   products over a few rows computed weight first where that measures faster)
+- bfloat16: eager, a copy of the model in bfloat16 (on a CPU with bfloat16 matrix instructions its curve can be far
+  flatter than float32's; its greedy tokens are not float32's)
 
 Eager and one compiled variant per run (dynamo keys compiled code to the forward's code, so a second variant in
 one process would reuse the first's graphs), their widths interleaved over rounds so that drift hits both alike;
@@ -19,11 +21,13 @@ the median is kept. Compile seconds are reported apart. Printed and written to J
     python -m bench.compile_curve                          # SmolLM2-135M, batch 1, fp32, q = 1 2 4 8 16, inductor
     python -m bench.compile_curve --compiled inductor-frozen --widths 1 16 --rounds 3
     python -m bench.compile_curve --compiled linear-auto --widths 1 2 3 4 6 8 12 16
+    python -m bench.compile_curve --compiled bfloat16 --widths 1 2 4 8 16 32
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -39,12 +43,14 @@ from jfcore.models import ModelConfig, load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMPILED = ("inductor", "inductor-frozen", "inductor-dynamic")
-BESIDE = (*COMPILED, "linear-auto")
+BESIDE = (*COMPILED, "linear-auto", "bfloat16")
 
 
 def build(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     if variant in ("eager", "linear-auto"):
         return model
+    if variant == "bfloat16":
+        return copy.deepcopy(model).to(torch.bfloat16)
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 

@@ -133,3 +133,18 @@ def test_argmax_bench_checks_and_times_both_choices_on_every_shape(tmp_path):
     for r in rows:
         assert r["max_ms"] > 0 and r["greedy_argmax_ms"] > 0
         assert r["ratio"] == pytest.approx(r["max_ms"] / r["greedy_argmax_ms"])
+
+
+def test_compile_curve_times_a_bfloat16_copy_beside_the_model(tiny, tmp_path):
+    """`--compiled bfloat16` measures a copy of the model in bfloat16; the float32 model it sits beside is left as
+    it was."""
+    from bench import compile_curve
+
+    args = ["--model", str(tiny), "--compiled", "bfloat16", "--widths", "1", "2", "--rounds", "2"]
+    out = compile_curve.main([*args, "--out", str(tmp_path / "curve.json")])
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"eager", "bfloat16"} and all(results[v]["ms"]["2"] > 0 for v in results)
+    model = compile_curve.load_model(compile_curve.ModelConfig(name_or_path=str(tiny)))[0]
+    copy = compile_curve.build(model, "bfloat16")
+    assert copy is not model and next(copy.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32
