@@ -285,7 +285,7 @@ def test_the_attention_mask_is_built_on_the_models_device(with_tree):
     already). On the meta device any tensor left on the host fails, so this checks the devices without a GPU: the
     tree, and the mask from host row state, a device tree (or none: causal), at a fixed shape's wider view."""
     meta = torch.device("meta")
-    tree = _tree(torch.tensor([[0, 1, 1], [0, 1, 0]]), meta)  # a draft of 1, two candidates; a draft of 2
+    tree = _tree(torch.tensor([[0, 1, 1], [0, 1, 0]]), meta)  # a draft of 1, two candidates of 1; a draft of 2
     assert tree.device == meta and tree.shape == (2, 3, 3)
     batch = _prefilled(tiny_model("llama"), [[3, 4, 5], [6, 7]])
     batch.device = meta

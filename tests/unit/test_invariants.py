@@ -233,8 +233,7 @@ def test_the_longest_verified_run_wins_and_the_earliest_wins_a_tie(draft, candid
 def test_the_candidate_tree_shows_each_query_its_own_branch_and_hides_padding():
     """docs/DESIGN.md, section 7: a draft query sees the draft up to itself; a candidate's query sees the draft's
     first token and its candidate up to itself; no query sees row padding. Random layouts, checked against that
-    rule written out per query, on the decoder's own layout: offsets from draft[0], each candidate restarting at 1.
-    (A draft of one token followed by a candidate is also a plain causal chain: both readings agree.)"""
+    rule written out per query, on the decoder's own layout: offsets from draft[0], each candidate restarting at 1."""
     rng = random.Random(0)
     decoder = JacobiDecoder(tiny_model("llama"), DecodeConfig(method="multiblock", pool_size=4), [], 0)
     for _ in range(200):
