@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
+from itertools import pairwise
 
 _END = -1  # closes each tail in `tokens`: an n-gram stops there (token ids are >= 0)
+_NONE = -1  # no (older) place
 
 
 class NgramPool:
@@ -22,7 +23,10 @@ class NgramPool:
     each token occurred, and reading builds that one pool from the newest
     occurrences; occurrences it passes over can never be read again (older
     copies of a kept continuation, or continuations pushed out) and are dropped.
-    The record keeps every tail added, a token and at most one place each:
+    A token's occurrences are a chain through two flat records, its newest place
+    and each place's previous one: no container per token, so a decode's pools
+    are a few lists that the cyclic collector walks at once, not one list per
+    distinct token. The record keeps every tail added, a token and a link each:
     overlapping n-grams share it, so it stays smaller than eager lists of
     tuples unless a decode repeats the same few n-grams for very long, and even
     then it is tens of bytes a token where SmolLM2-135M's KV cache holds 46 KB.
@@ -32,24 +36,28 @@ class NgramPool:
         self.size = size
         self.span = ngram_size - 1  # continuation length after the first token
         self.tokens: list[int] = []  # every tail added, each closed by _END
-        self.seen: defaultdict[int, list[int]] = defaultdict(list)  # first token -> its places in `tokens`, ascending
+        self.newest: dict[int, int] = {}  # first token -> its newest place in `tokens`
+        self.older: list[int] = []  # place -> the same token's previous place (_NONE: none, or not a first token)
 
     def add(self, tokens: Sequence[int]) -> None:
-        start, seen = len(self.tokens), self.seen
+        start, newest, older = len(self.tokens), self.newest, self.older
         self.tokens += tokens
         self.tokens.append(_END)
+        before = newest.get
         for place, token in enumerate(tokens[:-1], start):
-            seen[token].append(place)
+            older.append(before(token, _NONE))
+            newest[token] = place
+        older += [_NONE] * (len(self.tokens) - len(older))  # a tail's last token and its _END start no n-gram
 
     def candidates(self, first: int, max_len: int) -> list[tuple[int, ...]]:
         """Distinct continuations of `first` in its pool, newest first, cut to at most `max_len` tokens each."""
-        places = self.seen.get(first)
-        if not places or self.size == 0:
+        place = self.newest.get(first, _NONE)
+        if place == _NONE or self.size == 0:
             return []
-        tokens, span = self.tokens, self.span
+        tokens, span, older = self.tokens, self.span, self.older
         pool: list[tuple[int, ...]] = []
         kept: list[int] = []  # the newest place of each continuation in the pool
-        for place in reversed(places):
+        while place != _NONE:
             gram = tuple(tokens[place + 1 : place + 1 + span])
             if _END in gram:
                 gram = gram[: gram.index(_END)]
@@ -58,7 +66,11 @@ class NgramPool:
                 kept.append(place)
                 if len(pool) == self.size:
                     break
-        places[:] = kept[::-1]
+            place = older[place]
+        self.newest[first] = kept[0]  # the chain is the kept places from now on
+        for newer, previous in pairwise(kept):
+            older[newer] = previous
+        older[kept[-1]] = _NONE
         out: list[tuple[int, ...]] = []
         for gram in pool:
             gram = gram[:max_len]
