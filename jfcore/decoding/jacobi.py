@@ -68,7 +68,6 @@ class JacobiDecoder:
         self.model = model
         self.config = config
         self.block_size = 1 if config.method == "ar" else config.block_size
-        self.blocks_in_flight = config.blocks_in_flight
         self.record = config.record_trajectories
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
@@ -254,7 +253,7 @@ class JacobiDecoder:
         row.verified += len(accepted)
         if row.pool is not None:
             row.pool.add(draft[a:])  # the rejected tail: right phrases at wrong offsets come back
-        progress = self._newest_progress(row, draft, pred) if self.blocks_in_flight > 1 else 0
+        progress = self._newest_progress(row, draft, pred) if self.config.blocks_in_flight > 1 else 0
         guess = pred[len(draft) - 1]  # the model's token after the whole draft
         rest = [correction, *pred[len(accepted) : len(draft) - 1]]  # the Jacobi update
         if self._emit(row, accepted):
@@ -312,7 +311,7 @@ class JacobiDecoder:
         elif not row.blocks:
             row.block_start = len(row.out)
             self._open_block(row, next_token)
-        elif len(row.blocks) < self.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
+        elif len(row.blocks) < cfg.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
             self._open_block(row, guess)
 
     def _open_block(self, row: Row, first: int) -> None:
