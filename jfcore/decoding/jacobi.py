@@ -44,7 +44,7 @@ from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.linear import FasterLinear, faster_linear
 from jfcore.decoding.lookup import PromptLookup
-from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.ngram_pool import RowPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
 from jfcore.decoding.rows import Candidates, Row, refill
 from jfcore.decoding.sampling import Sampling, choose
@@ -119,7 +119,7 @@ class JacobiDecoder:
             sample=sample,
         )
         if self.config.recycling:
-            row.pool = NgramPool(self.config.pool_size, self.config.ngram_size)
+            row.pool = RowPool(self.config.pool_size, self.config.ngram_size)
         if self.config.lookup_tokens:
             row.lookup = PromptLookup(self.config.lookup_ngram, self.config.lookup_tokens, row.prompt)
         return row

@@ -29,7 +29,7 @@ class Row:
     recycled: int = 0  # tokens committed through candidates (recycled or copied) beyond the draft's own run
     shared_tokens: int = 0  # prompt tokens read from a shared prefix (jfcore/decoding/shared_prefix.py), not prefilled
     finished: bool = False
-    pool: NgramPool | None = None
+    pool: NgramPool | None = None  # or the same pool in C (`ngram_pool.RowPool`)
     lookup: PromptLookup | None = None
     copied: tuple[int, ...] = ()  # the prompt-lookup candidate of the forward in progress
     rng: random.Random | None = None  # filler draws, seeded per prompt

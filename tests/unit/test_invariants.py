@@ -12,7 +12,7 @@ import torch
 from jfcore.decoding import DecodeConfig, StepEvent, decode
 from jfcore.decoding.jacobi import JacobiDecoder, _tree
 from jfcore.decoding.kv_cache import SlotCache
-from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.ngram_pool import CNgramPool, NgramPool, RowPool
 from jfcore.decoding.slots import SlotBatch
 from tests.support.tiny_models import greedy_reference, position_model, tiny_model
 
@@ -155,8 +155,19 @@ def test_a_layer_of_another_shape_gives_every_layer_storage_of_its_own():
     assert all(torch.equal(layer.keys, keys[2:3]) for layer, keys in zip(cache.layers, written))
 
 
-def test_ngram_pool_keeps_recent_distinct_continuations():
-    pool = NgramPool(size=2, ngram_size=3)
+POOLS = [NgramPool, CNgramPool]  # the reference and its C twin (None where it was not built: those tests fail)
+
+
+def test_rows_use_the_c_pool():
+    """The install builds the C pool where a C compiler is at hand (pyproject.toml); without one it goes on with the
+    Python pool, and this test says so."""
+    assert CNgramPool is not None, "jfcore/decoding/_ngram.c was not built: install a C compiler, then pip install -e ."
+    assert RowPool is CNgramPool
+
+
+@pytest.mark.parametrize("pool_class", POOLS, ids=["python", "c"])
+def test_ngram_pool_keeps_recent_distinct_continuations(pool_class):
+    pool = pool_class(size=2, ngram_size=3)
     pool.add([1, 2, 3, 4])
     pool.add([1, 5, 6])
     pool.add([1, 2, 3])
@@ -186,22 +197,36 @@ class MoveToFrontPool:
         return [gram for i, gram in enumerate(cut) if gram and gram not in cut[:i]]
 
 
-def test_ngram_pool_reads_what_eager_move_to_front_lists_hold():
+@pytest.mark.parametrize("pool_class", POOLS, ids=["python", "c"])
+def test_ngram_pool_reads_what_eager_move_to_front_lists_hold(pool_class):
     """The pool records occurrences and builds a first token's list when it is read, dropping what can no longer be
-    read: over random adds and reads (few tokens, so continuations repeat and lists overflow) it must answer every
-    read as the eager lists do."""
+    read: over random adds and reads (few tokens, so continuations repeat and lists overflow; large token ids too)
+    it must answer every read as the eager lists do."""
     rng = random.Random(0)
     for _ in range(2000):
         size, ngram_size, vocab = rng.randrange(0, 6), rng.randrange(2, 9), rng.randrange(2, 12)
-        pool, eager = NgramPool(size, ngram_size), MoveToFrontPool(size, ngram_size)
+        base = rng.choice([0, 150_000, 2**31 - 20])
+        pool, eager = pool_class(size, ngram_size), MoveToFrontPool(size, ngram_size)
         for _ in range(rng.randrange(1, 60)):
             if rng.random() < 0.6:
-                tail = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+                tail = [base + rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
                 pool.add(tail)
                 eager.add(tail)
             else:
-                first, max_len = rng.randrange(vocab), rng.randrange(0, 10)
+                first, max_len = base + rng.randrange(vocab), rng.randrange(0, 10)
                 assert pool.candidates(first, max_len) == eager.candidates(first, max_len)
+
+
+def test_the_c_pool_says_what_it_cannot_hold():
+    pool = CNgramPool(4, 4)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        pool.add([1, -2, 3])
+    with pytest.raises(TypeError, match="sequence of token ids"):
+        pool.add(5)
+    pool.add([1, 2, 3])  # a failed add recorded nothing
+    assert pool.candidates(1, 5) == [(2, 3)]
+    with pytest.raises(ValueError, match="size >= 0"):
+        CNgramPool(-1, 4)
 
 
 @pytest.mark.parametrize(
@@ -230,6 +255,16 @@ def test_the_longest_verified_run_wins_and_the_earliest_wins_a_tie(draft, candid
     assert row.blocks[0][0] == pred[kept[-1]]  # the next draft opens with the token after the committed ones
 
 
+class GivenCandidates:
+    """A pool whose every read gives the same candidates."""
+
+    def __init__(self, grams: list[tuple[int, ...]]):
+        self.grams = grams
+
+    def candidates(self, first: int, max_len: int) -> list[tuple[int, ...]]:
+        return list(self.grams)
+
+
 def test_the_candidate_tree_shows_each_query_its_own_branch_and_hides_padding():
     """docs/DESIGN.md, section 7: a draft query sees the draft up to itself; a candidate's query sees the draft's
     first token and its candidate up to itself; no query sees row padding. Random layouts, checked against that
@@ -243,7 +278,7 @@ def test_the_candidate_tree_shows_each_query_its_own_branch_and_hides_padding():
             grams = [tuple(rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(4))]
             row = decoder.new_row(0, [1, 2])
             row.blocks, row.sizes = [draft], [len(draft)]
-            row.pool.candidates = lambda first, max_len, grams=grams: list(grams)
+            row.pool = GivenCandidates(grams)
             inputs, offsets, cands = decoder._layout(row)
             branch = [0] * (cands[0][0] if cands else len(inputs))  # 0: the draft, i: the i-th candidate
             for i, (_, gram) in enumerate(cands, start=1):
