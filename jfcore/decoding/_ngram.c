@@ -74,11 +74,18 @@ static int records_reserve(Pool *p, Py_ssize_t needed) {
     }
     Py_ssize_t capacity = p->capacity ? p->capacity : 256;
     while (capacity < needed) capacity *= 2;
-    int32_t *tokens = PyMem_Resize(p->tokens, int32_t, capacity);
-    if (tokens == NULL) return -1;
+    /* PyMem_Realloc, not PyMem_Resize: on failure the records keep their old buffers. */
+    int32_t *tokens = PyMem_Realloc(p->tokens, (size_t)capacity * sizeof(int32_t));
+    if (tokens == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     p->tokens = tokens;
-    int32_t *older = PyMem_Resize(p->older, int32_t, capacity);
-    if (older == NULL) return -1;
+    int32_t *older = PyMem_Realloc(p->older, (size_t)capacity * sizeof(int32_t));
+    if (older == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     p->older = older;
     p->capacity = capacity;
     return 0;
