@@ -4,7 +4,7 @@
    "The n-gram pools"). A multiblock step adds a rejected tail to every row's pool and reads one first
    token's continuations, right after a forward that has evicted the host's caches: in Python each pool
    access there is a dictionary lookup or a list of boxed integers, about a fifth of a 64-row step's host
-   time. Here a pool is three flat int32 arrays and an open-addressing table.
+   time. Here a pool is two flat int32 arrays and an open-addressing table.
 
    Records, as in the Python pool: `tokens` holds every tail added, each closed by END; `older[place]` is the
    previous place of the same first token (NONE: none, or the place starts no n-gram); `newest` maps a first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,7 +124,7 @@ class DecodeConfig:
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, self.sample_seed)
 
-    @property
+    @functools.cached_property  # read for every row at every step of a row-by-row decode
     def blocks_in_flight(self) -> int:
         return self.num_blocks if self.method == "multiblock" else 1
 
