@@ -8,28 +8,16 @@
 
    Records, as in the Python pool: `tokens` holds every tail added, each closed by END; `older[place]` is the
    previous place of the same first token (NONE: none, or the place starts no n-gram); `newest` maps a first
-   token to its newest place. Token ids must be in [0, 2**31 - 1]. */
+   token to its newest place. Token ids must be in [0, 2**31 - 1].
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+   The row rules in _rows.c add and read through `pool_add` and `pool_read` directly (_native.h). */
+
+#include "_native.h"
 #include <string.h>
 
 #define END (-1)  /* closes each tail in `tokens` */
 #define NONE (-1) /* no place */
 #define EMPTY (-1) /* a free key in the table */
-
-typedef struct {
-    PyObject_HEAD
-    Py_ssize_t size;  /* continuations kept per first token */
-    Py_ssize_t span;  /* tokens after the first one: ngram_size - 1 */
-    int32_t *tokens, *older;
-    Py_ssize_t length, capacity;
-    int32_t *keys, *places; /* newest: first token -> its newest place, linear probing */
-    Py_ssize_t mask, filled;
-    int32_t *kept; /* a read's scratch: the newest place of each continuation kept, `size` of them */
-    Py_ssize_t *lengths, *cut;
-} Pool;
 
 static Py_ssize_t table_slot(const Pool *p, int32_t key) {
     Py_ssize_t i = (Py_ssize_t)(((uint32_t)key * 2654435761u) & (uint32_t)p->mask);
@@ -126,25 +114,20 @@ static void Pool_dealloc(Pool *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-static PyObject *Pool_add(Pool *p, PyObject *sequence) {
-    if (p->keys == NULL) return PyErr_Format(PyExc_RuntimeError, "NgramPool.__init__ was not called");
-    PyObject *fast = PySequence_Fast(sequence, "NgramPool.add takes a sequence of token ids");
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), start = p->length;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    if (records_reserve(p, start + n + 1) < 0) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long token = PyLong_AsLong(items[i]);
-        if (token == -1 && PyErr_Occurred()) goto fail;
-        if (token < 0 || token > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "token ids must be in [0, 2**31 - 1], got %ld", token);
-            goto fail;
+int pool_add(Pool *p, const int64_t *tokens, Py_ssize_t n) {
+    Py_ssize_t start = p->length;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "token ids must be in [0, 2**31 - 1], got %lld", (long long)tokens[i]);
+            return -1;
         }
-        p->tokens[start + i] = (int32_t)token;
-    }
-    Py_DECREF(fast);
+    if (records_reserve(p, start + n + 1) < 0) return -1;
     while (2 * (p->filled + n) > p->mask + 1) /* room first: linking below cannot fail half-way */
-        if (table_grow(p) < 0) return PyErr_NoMemory();
+        if (table_grow(p) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    for (Py_ssize_t i = 0; i < n; i++) p->tokens[start + i] = (int32_t)tokens[i];
     /* Every token but the tail's last is a first token: link it to its previous place, make it the newest. */
     for (Py_ssize_t place = start; place < start + n - 1; place++) {
         int32_t token = p->tokens[place];
@@ -161,10 +144,32 @@ static PyObject *Pool_add(Pool *p, PyObject *sequence) {
     for (Py_ssize_t place = start + (n > 0 ? n - 1 : 0); place <= start + n; place++) p->older[place] = NONE;
     p->tokens[start + n] = END;
     p->length = start + n + 1;
-    Py_RETURN_NONE;
-fail:
+    return 0;
+}
+
+static PyObject *Pool_add(Pool *p, PyObject *sequence) {
+    if (p->keys == NULL) return PyErr_Format(PyExc_RuntimeError, "NgramPool.__init__ was not called");
+    PyObject *fast = PySequence_Fast(sequence, "NgramPool.add takes a sequence of token ids");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int64_t *tokens = PyMem_New(int64_t, n + 1);
+    if (tokens == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        int overflow;
+        tokens[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow) PyErr_Format(PyExc_ValueError, "token ids must be in [0, 2**31 - 1], got %S", items[i]);
+        failed = overflow || (tokens[i] == -1 && PyErr_Occurred());
+    }
+    failed = failed || pool_add(p, tokens, n) < 0;
+    PyMem_Free(tokens);
     Py_DECREF(fast);
-    return NULL;
+    if (failed) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* The continuation after `place`: up to `span` tokens, stopping at its tail's END. */
@@ -178,15 +183,10 @@ static int same_tokens(const Pool *p, int32_t a, int32_t b, Py_ssize_t length) {
     return memcmp(p->tokens + a + 1, p->tokens + b + 1, (size_t)length * sizeof(int32_t)) == 0;
 }
 
-static PyObject *Pool_candidates(Pool *p, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"first", "max_len", NULL};
-    long first;
-    Py_ssize_t max_len;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ln", names, &first, &max_len)) return NULL;
-    if (p->keys == NULL) return PyErr_Format(PyExc_RuntimeError, "NgramPool.__init__ was not called");
-    if (first < 0 || first > INT32_MAX || p->size == 0) return PyList_New(0);
+Py_ssize_t pool_read(Pool *p, int64_t first, Py_ssize_t max_len) {
+    if (first < 0 || first > INT32_MAX || p->size == 0) return 0;
     Py_ssize_t slot = table_slot(p, (int32_t)first);
-    if (p->keys[slot] == EMPTY) return PyList_New(0);
+    if (p->keys[slot] == EMPTY) return 0;
     /* The newest `size` distinct continuations, newest first; the chain is relinked to them. */
     Py_ssize_t found = 0;
     for (int32_t place = p->places[slot]; place != NONE && found < p->size; place = p->older[place]) {
@@ -201,8 +201,6 @@ static PyObject *Pool_candidates(Pool *p, PyObject *args, PyObject *kwargs) {
     for (Py_ssize_t j = 0; j + 1 < found; j++) p->older[p->kept[j]] = p->kept[j + 1];
     p->older[p->kept[found - 1]] = NONE;
     /* Each cut to `max_len` tokens (Python's gram[:max_len]), empty and repeated cuts left out. */
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
     Py_ssize_t given = 0;
     for (Py_ssize_t j = 0; j < found; j++) {
         Py_ssize_t length = p->lengths[j];
@@ -212,19 +210,28 @@ static PyObject *Pool_candidates(Pool *p, PyObject *args, PyObject *kwargs) {
         if (length == 0 || k < given) continue;
         p->kept[given] = p->kept[j]; /* j >= given: the places still to read are untouched */
         p->cut[given++] = length;
-        PyObject *gram = PyTuple_New(length);
+    }
+    return given;
+}
+
+static PyObject *Pool_candidates(Pool *p, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"first", "max_len", NULL};
+    long long first;
+    Py_ssize_t max_len;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ln", names, &first, &max_len)) return NULL;
+    if (p->keys == NULL) return PyErr_Format(PyExc_RuntimeError, "NgramPool.__init__ was not called");
+    Py_ssize_t given = pool_read(p, first, max_len);
+    PyObject *out = PyList_New(given);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < given; j++) {
+        PyObject *gram = PyTuple_New(p->cut[j]);
         if (gram == NULL) goto fail;
-        for (Py_ssize_t i = 0; i < length; i++) {
+        PyList_SET_ITEM(out, j, gram);
+        for (Py_ssize_t i = 0; i < p->cut[j]; i++) {
             PyObject *token = PyLong_FromLong(p->tokens[p->kept[j] + 1 + i]);
-            if (token == NULL) {
-                Py_DECREF(gram);
-                goto fail;
-            }
+            if (token == NULL) goto fail;
             PyTuple_SET_ITEM(gram, i, token);
         }
-        int appended = PyList_Append(out, gram);
-        Py_DECREF(gram);
-        if (appended < 0) goto fail;
     }
     return out;
 fail:
@@ -239,9 +246,9 @@ static PyMethodDef Pool_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject PoolType = {
+PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "jfcore.decoding._ngram.NgramPool",
+    .tp_name = "jfcore.decoding._native.NgramPool",
     .tp_doc = "NgramPool(size, ngram_size): jfcore/decoding/ngram_pool.py's pool, in C.",
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -250,18 +257,3 @@ static PyTypeObject PoolType = {
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_methods = Pool_methods,
 };
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ngram", "The n-gram pool in C.", -1, NULL};
-
-PyMODINIT_FUNC PyInit__ngram(void) {
-    if (PyType_Ready(&PoolType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    Py_INCREF(&PoolType);
-    if (PyModule_AddObject(m, "NgramPool", (PyObject *)&PoolType) < 0) {
-        Py_DECREF(&PoolType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}

@@ -24,8 +24,10 @@ AR decoding is the special case of one block of size 1. A sampled row reads
 "the row's keyed sample" for "argmax" (jfcore/decoding/sampling.py): again a
 function of the prefix, so the output equals sequential sampling exactly.
 
-The rules are written here row by row. Rows with one block and no candidates
-(ar, jacobi) run the same rules as batch tensors (jfcore/decoding/batch_rows.py).
+The rules are written here row by row. Where the C module was built, steps
+without prompt lookup or recording run the same rules in C
+(jfcore/decoding/native_rows.py); otherwise rows with one block and no
+candidates (ar, jacobi) run them as batch tensors (jfcore/decoding/batch_rows.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.linear import FasterLinear, faster_linear
 from jfcore.decoding.lookup import PromptLookup
+from jfcore.decoding.native_rows import native_step
 from jfcore.decoding.ngram_pool import RowPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
 from jfcore.decoding.rows import Candidates, Row, refill
@@ -75,12 +78,16 @@ class JacobiDecoder:
         self.fixed_forward = fixed_forward(model, config.compile)
         # Prompt prefixes shared between rows are read by an eager attention: fixed-shape forwards keep their own.
         self.share_prefix_tokens = config.share_prefix_tokens if self.fixed_forward is None else 0
-        # One block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a decode
-        # runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of tensor
-        # ops on a CPU host (~0.7 ms with the lookup's); below it, the row-by-row rules cost less
-        # (bench/step_overhead.py: about even at 8 rows, with lookup at 64). None: never.
+        # Steps with their rules in C (jfcore/decoding/native_rows.py): every method without prompt lookup or
+        # recording, where the C module was built.
+        self.native_step = native_step(self, _tree)
+        # Otherwise one block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a
+        # decode runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of
+        # tensor ops on a CPU host (~0.7 ms with the lookup's); below it, the row-by-row rules cost less
+        # (bench/step_overhead.py: about even at 8 rows, with lookup at 64). The C step costs less than either at
+        # 8 to 128 rows (docs/DESIGN.md, "Rows in C"). None: never.
         one_block = config.blocks_in_flight == 1 and not config.recycling
-        plain = one_block and (not config.lookup_tokens or self.block_size == 1)
+        plain = one_block and (not config.lookup_tokens or self.block_size == 1) and self.native_step is None
         rows_from = LOOKUP_BATCH_TENSOR_ROWS if config.lookup_tokens else BATCH_TENSOR_ROWS
         self.batch_tensors_from: int | None = rows_from if plain else None
         # Prefill needs only the last position's logits: skip the vocabulary projection elsewhere.
@@ -155,6 +162,8 @@ class JacobiDecoder:
     # -- one decode forward for every active row ---------------------------------------------
 
     def _step(self, batch: SlotBatch, rows: list[Row], step: int) -> None:
+        if self.native_step is not None:
+            return self.native_step(batch, rows, step)
         # The inputs are built as Python lists and become tensors in one call each (through numpy: `host_tensor`):
         # per-row tensor writes, or torch.tensor on lists, would cost more than the rest of the step's host work.
         layouts = [self._layout(row) for row in rows]

@@ -82,7 +82,7 @@ class NgramPool:
 
 
 try:  # the same records and reads in C (jfcore/decoding/_ngram.c), built at install where a compiler is at hand
-    from jfcore.decoding._ngram import NgramPool as CNgramPool
+    from jfcore.decoding._native import NgramPool as CNgramPool
 except ImportError:  # installed without a C compiler
     CNgramPool = None
 

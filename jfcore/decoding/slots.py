@@ -195,23 +195,34 @@ class SlotBatch:
         tokens compacted its whole cache 11 times in 63 steps; now never). So in a cache written in place, kept
         slots are moved up to follow the row's first one (a few slots' keys and values; each keeps its position),
         and every row's kept slots are the first of the new ones."""
-        start = self._new
         if self.cache.in_place:
             gapped = (b for b, slots in enumerate(kept) if slots and slots[-1] >= len(slots))
             moved = [(b, s, i) for b in gapped for i, s in enumerate(kept[b]) if s != i]
-            if moved:
-                who, source, target = (host_tensor(column).to(self.device) for column in zip(*moved))
-                self.cache.move_slots(who, source + start, target + start)
-            counts = [len(slots) for slots in kept]
-            new = self.num_slots - start
-            self._valid[:, start : start + new] = torch.arange(new) < host_tensor(counts)[:, None]
-            last = max(counts, default=0)
-        else:
-            rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
-            self._valid[rows, host_tensor([s for slots in kept for s in slots]) + start] = True
-            last = max((slots[-1] + 1 for slots in kept if slots), default=0)
+            self.keep_first(host_tensor([len(slots) for slots in kept]), host_tensor(moved) if moved else None)
+            return
+        start = self._new
+        rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
+        self._valid[rows, host_tensor([s for slots in kept for s in slots]) + start] = True
         # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
-        self._crop(start + last)
+        self._crop(start + max((slots[-1] + 1 for slots in kept if slots), default=0))
+
+    def keep_first(self, counts: torch.Tensor, moved: torch.Tensor | None = None) -> None:
+        """`keep_slots` as each row's number of kept slots (host [B]), which are its first new ones once `moved`
+        [M, 3] (row, from, to: slots counted from the last forward's first) is applied. Where the cache is not
+        written in place (`mergeable` False) the kept slots stay where they are instead."""
+        start = self._new
+        if not self.cache.in_place:
+            kept = [list(range(n)) for n in counts.tolist()]
+            for b, source, target in moved.tolist() if moved is not None else []:
+                kept[b][target] = source
+            self.keep_slots(kept)
+            return
+        if moved is not None:
+            who, source, target = moved.to(self.device).unbind(1)
+            self.cache.move_slots(who, source + start, target + start)
+        new = self.num_slots - start
+        self._valid[:, start : start + new] = torch.arange(new) < counts[:, None]
+        self._crop(start + (int(counts.max()) if len(counts) else 0))
 
     def _crop(self, last: int) -> None:
         if last < self.num_slots:

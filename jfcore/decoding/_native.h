@@ -1,0 +1,33 @@
+/* What the two C files of jfcore.decoding._native share: the n-gram pool (_ngram.c), which the row rules
+   (_rows.c) add to and read without going through Python. */
+
+#ifndef JF_NATIVE_H
+#define JF_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t size;  /* continuations kept per first token */
+    Py_ssize_t span;  /* tokens after the first one: ngram_size - 1 */
+    int32_t *tokens, *older;
+    Py_ssize_t length, capacity;
+    int32_t *keys, *places; /* newest: first token -> its newest place, linear probing */
+    Py_ssize_t mask, filled;
+    int32_t *kept; /* a read's result: the newest place of each continuation given, `size` at most */
+    Py_ssize_t *lengths, *cut;
+} Pool;
+
+extern PyTypeObject PoolType;
+
+/* Record a tail of `n` token ids (each checked to be in [0, 2**31 - 1]); -1 with an exception set, and nothing
+   recorded, on failure. */
+int pool_add(Pool *p, const int64_t *tokens, Py_ssize_t n);
+
+/* Read `first`'s continuations, cut to `max_len` tokens (the Python pool's `candidates`): returns how many; the
+   j-th is p->tokens[p->kept[j] + 1 ...], p->cut[j] tokens long. */
+Py_ssize_t pool_read(Pool *p, int64_t first, Py_ssize_t max_len);
+
+#endif

@@ -1,0 +1,116 @@
+"""The step with its rules in C (jfcore/decoding/native_rows.py, _rows.c) against the Python rules of jacobi.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jfcore.decoding import DecodeConfig, StepEvent
+from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.native_rows import _native
+from jfcore.decoding.ngram_pool import NgramPool
+from tests.support.tiny_models import ARCHITECTURES, VOCAB, tiny_model
+
+
+def test_the_c_step_is_built_and_taken_where_it_applies():
+    """The install builds it where a C compiler is at hand (pyproject.toml); without one decoding goes on with the
+    Python rules, and this test says so."""
+    assert _native is not None, "jfcore/decoding/_rows.c was not built: install a C compiler, then pip install -e ."
+    m = tiny_model("llama")
+    for method in ("ar", "jacobi", "multiblock"):
+        decoder = JacobiDecoder(m, DecodeConfig(method=method), [], 0)
+        assert decoder.native_step is not None and decoder.batch_tensors_from is None
+    python_rules = [
+        DecodeConfig(method="jacobi", record_trajectories=True),
+        DecodeConfig(method="ar", lookup_tokens=2),
+        DecodeConfig(method="multiblock", lookup_tokens=2),
+    ]
+    for config in python_rules:
+        assert JacobiDecoder(m, config, [], 0).native_step is None, config.describe()
+
+
+def _run(decoder: JacobiDecoder, prompts):
+    events: list[StepEvent] = []
+    decoder.on_step = events.append
+    out = decoder.decode(prompts)
+    s = out.stats
+    return out.sequences, s.forwards_per_row, s.forward_calls, s.recycled_tokens, events
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rows_in_c_follow_the_python_rules_exactly(arch):
+    """Same tokens, forwards per row, recycled tokens and per-step events (widths, cache lengths) as the Python
+    rules, over methods, block sizes, blocks in flight, pools, spawn ratios, fillers, EOS sets, budgets, sampled
+    rows and ragged batches; prompts repeat phrases, so pooled candidates win and move their slots."""
+    m = tiny_model(arch)
+    rng = random.Random(arch)
+    recycled = finished_early = 0
+    cases = []
+    for case in range(10):
+        phrases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 5))] for _ in range(3)]
+        prompts = [
+            [t for _ in range(rng.randrange(1, 6)) for t in rng.choice(phrases)] for _ in range(rng.choice([1, 3, 7]))
+        ]
+        config = DecodeConfig(
+            method=rng.choice(["ar", "jacobi", "multiblock", "multiblock"]),
+            block_size=rng.choice([2, 3, 5, 8, 16]),
+            max_new_tokens=rng.choice([1, 5, 40, 64]),
+            num_blocks=rng.choice([1, 2, 3]),
+            pool_size=rng.choice([0, 2, 4, 4]),
+            ngram_size=rng.choice([2, 3, 5]),
+            spawn_ratio=rng.choice([0.5, 0.85, 1.0]),
+            filler=rng.choice(["context", "random"]),
+            seed=case,
+            temperature=rng.choice([0.0, 0.0, 0.9]),
+        )
+        text = JacobiDecoder(m, config, [], 0).decode(prompts[:1]).sequences[0]  # EOS that some row meets
+        eos = rng.choice([[], [text[len(text) // 2]], [3, text[-1]]])
+        cases.append((config, prompts, eos))
+    # Long multiblock decodes: pooled candidates win (each architecture's model repeats itself within 120 tokens).
+    long = DecodeConfig(method="multiblock", block_size=8, max_new_tokens=120, spawn_ratio=0.5)  # spawns at 4 of 8
+    cases.append((long, [[5, 6, 7, 8], [9, 10]], []))
+    for config, prompts, eos in cases:
+        in_c = JacobiDecoder(m, config, eos, 0)
+        python = JacobiDecoder(m, config, eos, 0)
+        python.native_step = None
+        got, expected = _run(in_c, prompts), _run(python, prompts)
+        assert got == expected, config.describe()
+        recycled += got[3]
+        finished_early += sum(len(s) < config.max_new_tokens for s in got[0])
+    assert recycled > 0 and finished_early > 0  # candidates won, and EOS ended rows
+
+
+def test_the_c_greedy_choice_is_torchs():
+    """The first index of the largest logit, the first NaN where there is one; for packed queries (padding
+    chooses 0) and for every query."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 16, 33, 2048, 2051):
+        logits = torch.randn(5, 3, vocab, generator=gen)
+        logits[0, 0] = 1.0  # all equal: index 0
+        logits[0, 1, -1] = logits[0, 1].max() + 1  # the tail past the last whole vector
+        logits[1, 0, vocab // 2 :] = float("nan")
+        logits[1, 1, vocab - 1] = float("nan")
+        logits[1, 2] = float("-inf")
+        logits[2, 0, :] = 0.0
+        logits[2, 0, vocab // 3] = -0.0  # equal to 0.0: the first one wins
+        logits[2, 1, vocab // 2 :] = 50.0  # a tie: the first of them
+        expected = logits.max(-1).indices
+        whole = _native.greedy(logits.numpy(), None, 5, 3, vocab)
+        assert torch.equal(torch.frombuffer(whole, dtype=torch.long).view(5, 3), expected), vocab
+        valid = torch.rand(5, 3, generator=gen) < 0.6
+        packed = _native.greedy(logits[valid].numpy(), bytearray(valid.numpy().tobytes()), 5, 3, vocab)
+        assert torch.equal(torch.frombuffer(packed, dtype=torch.long).view(5, 3), expected.where(valid, 0)), vocab
+
+
+def test_the_c_step_says_what_is_wrong():
+    m = tiny_model("llama")
+    decoder = JacobiDecoder(m, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0)
+    row = decoder.new_row(0, [5, 6, 7])
+    decoder._carry_on(row, 9, guess=9, progress=0)
+    row.pool = NgramPool(2, 3)
+    with pytest.raises(TypeError, match="pool in C"):
+        _native.layout([row], 0, 2)
+    with pytest.raises(ValueError, match="logits: expected 256 bytes"):
+        _native.greedy(torch.zeros(2, 16).numpy(), None, 1, 1, 64)
