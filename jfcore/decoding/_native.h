@@ -1,5 +1,5 @@
-/* What the two C files of jfcore.decoding._native share: the n-gram pool (_ngram.c), which the row rules
-   (_rows.c) add to and read without going through Python. */
+/* What the C files of jfcore.decoding._native share: the n-gram pool (_ngram.c) and the prompt lookup
+   (_lookup.c), which the row rules (_rows.c) use without going through Python. */
 
 #ifndef JF_NATIVE_H
 #define JF_NATIVE_H
@@ -29,5 +29,27 @@ int pool_add(Pool *p, const int64_t *tokens, Py_ssize_t n);
 /* Read `first`'s continuations, cut to `max_len` tokens (the Python pool's `candidates`): returns how many; the
    j-th is p->tokens[p->kept[j] + 1 ...], p->cut[j] tokens long. */
 Py_ssize_t pool_read(Pool *p, int64_t first, Py_ssize_t max_len);
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t max_ngram, max_tokens;
+    Py_ssize_t candidate_length; /* lookup.py's `length`: this row's current candidate length */
+    int64_t *text;
+    Py_ssize_t length, capacity;
+    uint64_t *hashes; /* the index: an n-gram's hash, size and the place after its latest occurrence */
+    int32_t *sizes;
+    int64_t *places;
+    Py_ssize_t mask, filled;
+    int64_t *proposal; /* the last proposal, `proposed` tokens (max_tokens of room) */
+    Py_ssize_t proposed;
+    int64_t *key; /* a proposal's scratch: the n-gram looked up */
+} Lookup;
+
+extern PyTypeObject LookupType;
+
+/* lookup.py's PromptLookup.extend, .propose (the copy in l->proposal, l->proposed tokens) and .update. */
+int lookup_extend(Lookup *l, const int64_t *tokens, Py_ssize_t n);
+Py_ssize_t lookup_propose(Lookup *l, int64_t next_token, Py_ssize_t limit);
+void lookup_update(Lookup *l, Py_ssize_t proposed, Py_ssize_t accepted);
 
 #endif

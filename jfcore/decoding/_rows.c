@@ -1,13 +1,13 @@
-/* A greedy row-by-row step of jfcore/decoding/jacobi.py in C: its layout, greedy choice and acceptance rules.
+/* The row-by-row step of jfcore/decoding/jacobi.py in C: its layout, greedy choice and acceptance rules.
 
    jacobi.py is the reference and says what each rule does (docs/DESIGN.md, sections 1 and 7); this file is the
-   fast path for what a jacobi or multiblock step does to greedy rows without prompt lookup or recording
-   (jfcore/decoding/native_rows.py says when it runs). Right after a forward the host's caches are cold, and
-   there Python's per-row rules, the building of the step's inputs from lists and a dozen small tensor operations
-   around the greedy choice were about two thirds of a 64-row multiblock step's host time (docs/DESIGN.md, "Rows
-   in C"). The rows stay the Python `Row` objects the rest of the decoder reads and writes: this file changes
-   them exactly as jacobi.py's `_layout` and `_verify` do, calling the decoder's `filler` for a fresh block's
-   seeded guesses, and the step's arrays are bytearrays that torch reads in place. */
+   fast path for every step (jfcore/decoding/native_rows.py calls it). Right after a forward the host's caches
+   are cold, and there Python's per-row rules, the building of the step's inputs from lists and a dozen small
+   tensor operations around the greedy choice were about two thirds of a 64-row multiblock step's host time
+   (docs/DESIGN.md, "Rows in C"). The rows stay the Python `Row` objects the rest of the decoder reads and writes:
+   this file changes them exactly as jacobi.py's `_layout` and `_verify` do, with the rows' pool and prompt
+   lookup in C (_ngram.c, _lookup.c), calling the decoder's `filler` for a fresh block's seeded guesses and its
+   `_close_block` to record a trajectory; the step's arrays are bytearrays that torch reads in place. */
 
 #include "_native.h"
 #include <math.h>
@@ -17,7 +17,7 @@
 #endif
 
 static PyObject *s_blocks, *s_sizes, *s_out, *s_done, *s_block_start, *s_verified, *s_forwards, *s_recycled,
-    *s_finished, *s_pool, *s_prompt, *s_max_new_tokens, *s_filler;
+    *s_finished, *s_pool, *s_lookup, *s_prompt, *s_max_new_tokens, *s_states;
 
 /* -- small helpers over a row's attributes ------------------------------------------------------------------- */
 
@@ -108,7 +108,109 @@ static int read_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, P
 
 /* -- layout: the step's inputs --------------------------------------------------------------------------------- */
 
-/* layout(rows, pad, max_candidates) -> (tokens, positions, offsets, valid, meta, width, tree)
+static Lookup *row_lookup(PyObject *row) { /* a new reference, None, or NULL with an exception */
+    PyObject *lookup = PyObject_GetAttr(row, s_lookup);
+    if (lookup != NULL && lookup != Py_None && !PyObject_TypeCheck(lookup, &LookupType)) {
+        PyErr_SetString(PyExc_TypeError, "rows in C need their prompt lookup in C (lookup.RowLookup)");
+        Py_CLEAR(lookup);
+    }
+    return (Lookup *)lookup;
+}
+
+static int push_candidate(Buffer *inputs, Buffer *offsets, Py_ssize_t start, int64_t *row_info,
+                          Py_ssize_t max_candidates, const int32_t *tokens32, const int64_t *tokens, Py_ssize_t n) {
+    if (row_info[1] == max_candidates) {
+        PyErr_SetString(PyExc_ValueError, "a row has more candidates than max_candidates");
+        return -1;
+    }
+    row_info[2 + 2 * row_info[1]] = inputs->length - start;
+    row_info[3 + 2 * row_info[1]++] = n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (buffer_push(inputs, tokens32 ? tokens32[i] : tokens[i]) < 0 || buffer_push(offsets, i + 1) < 0) return -1;
+    return 0;
+}
+
+/* `_layout` past the draft (in `inputs` from `start`): the prompt-lookup copy within the draft (its blocks
+   refilled), the pool's candidates, then the prompt-lookup candidate, each a (first slot, length) in row_info. */
+static int candidates(PyObject *row, Buffer *inputs, Buffer *offsets, Py_ssize_t start, int64_t *row_info,
+                      Py_ssize_t max_candidates, int within) {
+    Py_ssize_t draft = row_info[0];
+    row_info[1] = 0;
+    Lookup *lookup = row_lookup(row);
+    PyObject *pool = lookup == NULL ? NULL : PyObject_GetAttr(row, s_pool);
+    int r = -1;
+    if (pool == NULL) goto done;
+    if ((PyObject *)lookup != Py_None && within) { /* `_copy_into_draft` */
+        Py_ssize_t n = lookup_propose(lookup, inputs->data[start], draft - 1);
+        if (n) {
+            memcpy(inputs->data + start + 1, lookup->proposal, (size_t)n * sizeof(int64_t));
+            PyObject *blocks = get_list(row, s_blocks);
+            if (blocks == NULL) goto done;
+            for (Py_ssize_t j = 0, at = start; j < PyList_GET_SIZE(blocks); j++) {
+                Py_ssize_t size = PyList_GET_SIZE(PyList_GET_ITEM(blocks, j));
+                PyObject *block = int_list(inputs->data + at, size);
+                if (block == NULL || PyList_SetItem(blocks, j, block) < 0) {
+                    Py_DECREF(blocks);
+                    goto done;
+                }
+                at += size;
+            }
+            Py_DECREF(blocks);
+        }
+    }
+    if (pool != Py_None && draft > 1) {
+        if (!PyObject_TypeCheck(pool, &PoolType) || ((Pool *)pool)->keys == NULL) {
+            PyErr_SetString(PyExc_TypeError, "rows in C need their pool in C (ngram_pool.CNgramPool)");
+            goto done;
+        }
+        Pool *p = (Pool *)pool;
+        Py_ssize_t given = pool_read(p, inputs->data[start], draft - 1);
+        for (Py_ssize_t j = 0; j < given; j++)
+            if (push_candidate(inputs, offsets, start, row_info, max_candidates, p->tokens + p->kept[j] + 1, NULL,
+                               p->cut[j]) < 0)
+                goto done;
+    }
+    if ((PyObject *)lookup != Py_None && !within) {
+        Py_ssize_t max_new_tokens, out;
+        PyObject *out_list = get_list(row, s_out);
+        if (out_list == NULL) goto done;
+        out = PyList_GET_SIZE(out_list);
+        Py_DECREF(out_list);
+        if (get_int(row, s_max_new_tokens, &max_new_tokens) < 0) goto done;
+        Py_ssize_t n = lookup_propose(lookup, inputs->data[start], max_new_tokens - out - 1), c = 0;
+        for (; n && c < row_info[1]; c++) /* not when a pooled candidate says the same */
+            if (row_info[3 + 2 * c] == n &&
+                memcmp(inputs->data + start + row_info[2 + 2 * c], lookup->proposal, (size_t)n * sizeof(int64_t)) == 0)
+                break;
+        if (n && c == row_info[1] &&
+            push_candidate(inputs, offsets, start, row_info, max_candidates, NULL, lookup->proposal, n) < 0)
+            goto done;
+    }
+    r = 0;
+done:
+    Py_XDECREF(pool);
+    Py_XDECREF((PyObject *)lookup);
+    return r;
+}
+
+/* `_layout`'s record of block 0's state: the block's committed tokens, then the draft. (Recording has no prompt
+   lookup, so the draft is the one laid out.) */
+static int record_state(PyObject *row, const int64_t *draft, Py_ssize_t n) {
+    Py_ssize_t block_start;
+    PyObject *out = get_list(row, s_out), *states = get_list(row, s_states), *state = NULL;
+    int r = -1;
+    if (out == NULL || states == NULL || get_int(row, s_block_start, &block_start) < 0) goto done;
+    state = PyList_GetSlice(out, block_start, PyList_GET_SIZE(out));
+    if (state == NULL || extend(state, draft, n) < 0) goto done;
+    r = PyList_Append(states, state);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(states);
+    Py_XDECREF(state);
+    return r;
+}
+
+/* layout(rows, pad, max_candidates, within, record) -> (tokens, positions, offsets, valid, meta, width, tree)
 
    jacobi.py's `_layout` for every row and the step's input arrays (`_step`), row-major [B, width]: tokens (int64,
    padded with `pad`), positions (int64), offsets from the draft's first token (int64, padding 0), valid (bool).
@@ -118,7 +220,8 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     PyObject *rows;
     long long pad;
     Py_ssize_t max_candidates;
-    if (!PyArg_ParseTuple(args, "O!Ln", &PyList_Type, &rows, &pad, &max_candidates)) return NULL;
+    int within, record; /* `lookup_within`; recording trajectories */
+    if (!PyArg_ParseTuple(args, "O!Lnpp", &PyList_Type, &rows, &pad, &max_candidates, &within, &record)) return NULL;
     Py_ssize_t n_rows = PyList_GET_SIZE(rows), stride = 2 + 2 * max_candidates, width = 0;
     int tree = 0;
     Buffer inputs = {0}, offsets = {0};
@@ -151,49 +254,18 @@ static PyObject *layout(PyObject *self, PyObject *args) {
             }
         }
         Py_DECREF(blocks);
-        Py_ssize_t draft = inputs.length - starts[b], n_candidates = 0;
+        Py_ssize_t draft = inputs.length - starts[b];
         if (draft == 0) {
             PyErr_SetString(PyExc_ValueError, "a row in a step has a draft in flight");
             goto done;
         }
         int64_t *row_info = info + b * stride;
         row_info[0] = draft;
-        PyObject *pool = PyObject_GetAttr(row, s_pool);
-        if (pool == NULL) goto done;
-        if (pool != Py_None && draft > 1) {
-            if (!PyObject_TypeCheck(pool, &PoolType)) {
-                PyErr_SetString(PyExc_TypeError, "rows in C need their pool in C (ngram_pool.CNgramPool)");
-                Py_DECREF(pool);
-                goto done;
-            }
-            Pool *p = (Pool *)pool;
-            if (p->keys == NULL) {
-                PyErr_SetString(PyExc_RuntimeError, "NgramPool.__init__ was not called");
-                Py_DECREF(pool);
-                goto done;
-            }
-            Py_ssize_t given = pool_read(p, inputs.data[starts[b]], draft - 1);
-            if (given > max_candidates) {
-                PyErr_SetString(PyExc_ValueError, "a pool gave more candidates than max_candidates");
-                Py_DECREF(pool);
-                goto done;
-            }
-            for (Py_ssize_t j = 0; j < given; j++) {
-                row_info[2 + 2 * j] = inputs.length - starts[b];
-                row_info[3 + 2 * j] = p->cut[j];
-                for (Py_ssize_t i = 0; i < p->cut[j]; i++)
-                    if (buffer_push(&inputs, p->tokens[p->kept[j] + 1 + i]) < 0 || buffer_push(&offsets, i + 1) < 0) {
-                        Py_DECREF(pool);
-                        goto done;
-                    }
-            }
-            n_candidates = given;
-        }
-        Py_DECREF(pool);
-        row_info[1] = n_candidates;
+        if (record && record_state(row, inputs.data + starts[b], draft) < 0) goto done;
+        if (candidates(row, &inputs, &offsets, starts[b], row_info, max_candidates, within) < 0) goto done;
         Py_ssize_t length = inputs.length - starts[b];
         /* As `_step`: a draft of one token with one candidate is a plain causal chain. */
-        if (n_candidates && (length - row_info[3] > 1 || n_candidates > 1)) tree = 1;
+        if (row_info[1] && (length - row_info[3] > 1 || row_info[1] > 1)) tree = 1;
         width = Py_MAX(width, length);
         Py_ssize_t prompt, verified;
         PyObject *prompt_list = get_list(row, s_prompt);
@@ -321,7 +393,8 @@ typedef struct {
     Py_ssize_t block_size;  /* the decoder's block size (1 for AR) */
     Py_ssize_t in_flight;   /* blocks in flight at most */
     double spawn_ratio;
-    PyObject *decoder;      /* its `filler(row, count)` draws a fresh block's guesses */
+    int record;             /* recording trajectories */
+    PyObject *decoder;      /* its `filler(row, count)` draws a fresh block's guesses, `_close_block` records */
 } Rules;
 
 /* The row's own state for the length of its update; written back at the end. */
@@ -344,9 +417,19 @@ static int set_empty_list(PyObject *row, PyObject *name) {
     return r;
 }
 
-static int finish(State *s, const int64_t *last, Py_ssize_t n) { /* `_finish`, recording off */
+/* `_close_block`, where trajectories are recorded: the decoder's own, with the row's block_start made current. */
+static int close_block(const Rules *rules, State *s, Py_ssize_t end) {
+    if (!rules->record) return 0;
+    if (set_int(s->row, s_block_start, s->block_start) < 0) return -1;
+    PyObject *r = PyObject_CallMethod(rules->decoder, "_close_block", "On", s->row, end);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int finish(const Rules *rules, State *s, const int64_t *last, Py_ssize_t n) { /* `_finish` */
     if (extend(s->out, last, n) < 0 || PyObject_SetAttr(s->row, s_finished, Py_True) < 0) return -1;
-    return set_empty_list(s->row, s_blocks) < 0 || set_empty_list(s->row, s_sizes) < 0 ? -1 : 0;
+    if (set_empty_list(s->row, s_blocks) < 0 || set_empty_list(s->row, s_sizes) < 0) return -1;
+    return close_block(rules, s, PyList_GET_SIZE(s->out));
 }
 
 /* `_emit`: 1 if the row finished, 0 if not, -1 on error. */
@@ -355,7 +438,7 @@ static int emit(const Rules *rules, State *s, const int64_t *accepted, Py_ssize_
     for (Py_ssize_t i = 0; i < n && !cut; i++)
         if (i < budget && is_eos(rules, accepted[i])) cut = i + 1;
     if (n < budget && !cut) return extend(s->out, accepted, n) < 0 ? -1 : 0;
-    return finish(s, accepted, cut ? cut : Py_MAX(0, budget)) < 0 ? -1 : 1;
+    return finish(rules, s, accepted, cut ? cut : Py_MAX(0, budget)) < 0 ? -1 : 1;
 }
 
 static Py_ssize_t in_flight_tokens(const State *s) {
@@ -365,7 +448,7 @@ static Py_ssize_t in_flight_tokens(const State *s) {
 }
 
 /* `_consume`: remove `count` committed tokens from the front of the blocks. */
-static int consume(State *s, Py_ssize_t count) {
+static int consume(const Rules *rules, State *s, Py_ssize_t count) {
     while (count > 0 && PyList_GET_SIZE(s->blocks) > 0) {
         PyObject *first = PyList_GET_ITEM(s->blocks, 0);
         Py_ssize_t length = PyList_GET_SIZE(first), take = Py_MIN(count, length);
@@ -378,7 +461,9 @@ static int consume(State *s, Py_ssize_t count) {
         }
         Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(s->sizes, 0));
         if (size == -1 && PyErr_Occurred()) return -1;
-        if (PyList_SetSlice(s->sizes, 0, 1, NULL) < 0 || PyList_SetSlice(s->blocks, 0, 1, NULL) < 0) return -1;
+        if (PyList_SetSlice(s->sizes, 0, 1, NULL) < 0 || PyList_SetSlice(s->blocks, 0, 1, NULL) < 0 ||
+            close_block(rules, s, s->block_start + size) < 0)
+            return -1;
         s->block_start += size;
         s->done = 0;
     }
@@ -421,7 +506,7 @@ static int carry_on(const Rules *rules, State *s, int64_t next, int64_t guess, P
     Py_ssize_t blocks = PyList_GET_SIZE(s->blocks);
     if (is_eos(rules, next) || PyList_GET_SIZE(s->out) + 1 >= s->max_new_tokens) {
         if (!blocks) s->block_start = PyList_GET_SIZE(s->out);
-        return finish(s, &next, 1);
+        return finish(rules, s, &next, 1);
     }
     if (!blocks) {
         s->block_start = PyList_GET_SIZE(s->out);
@@ -466,6 +551,7 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     for (Py_ssize_t i = kept; i < draft - 1; i++) rest[n_rest++] = pred[i];
 
     State s = {row, NULL, NULL, NULL, 0, 0, 0};
+    Lookup *lookup = NULL;
     Py_ssize_t verified, forwards, recycled, result = -1;
     s.out = get_list(row, s_out);
     s.blocks = get_list(row, s_blocks);
@@ -478,6 +564,13 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     if (set_int(row, s_recycled, recycled + Py_MAX(0, kept - a)) < 0 || set_int(row, s_forwards, forwards + 1) < 0 ||
         set_int(row, s_verified, verified + kept) < 0)
         goto done;
+    lookup = row_lookup(row);
+    if (lookup == NULL) goto done;
+    if ((PyObject *)lookup != Py_None) { /* the copied text's own verified run: it cannot outrun the committed one */
+        Py_ssize_t held = 0;
+        while (held < Py_MIN(lookup->proposed, kept - 1) && lookup->proposal[held] == accepted[1 + held]) held++;
+        lookup_update(lookup, lookup->proposed, held);
+    }
     PyObject *pool = PyObject_GetAttr(row, s_pool);
     if (pool == NULL) goto done;
     int added = 0;
@@ -498,7 +591,8 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     }
     int finished = emit(rules, &s, accepted, kept);
     if (finished < 0) goto done;
-    if (!finished && (consume(&s, kept) < 0 || refill(&s, rest, n_rest) < 0 ||
+    if (!finished && (PyObject *)lookup != Py_None && lookup_extend(lookup, accepted, kept) < 0) goto done;
+    if (!finished && (consume(rules, &s, kept) < 0 || refill(&s, rest, n_rest) < 0 ||
                       carry_on(rules, &s, correction, guess, progress) < 0))
         goto done;
     if (set_int(row, s_done, s.done) < 0 || set_int(row, s_block_start, s.block_start) < 0) goto done;
@@ -511,11 +605,13 @@ done:
     Py_XDECREF(s.out);
     Py_XDECREF(s.blocks);
     Py_XDECREF(s.sizes);
+    Py_XDECREF((PyObject *)lookup);
     PyMem_Free(accepted);
     return result;
 }
 
-/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, decoder) -> (kept, moved)
+/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, record, decoder)
+       -> (kept, moved)
 
    jacobi.py's `_verify` for every row, from `layout`'s tokens and meta and the step's choices (int64 [B, width]).
    kept: int64 [B], each row's kept slots (its first ones, once `moved` is applied); moved: int64 triples (row,
@@ -525,8 +621,9 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     Py_ssize_t width;
     PyObject *eos;
     Rules rules;
-    if (!PyArg_ParseTuple(args, "O!OOOnOnndO", &PyList_Type, &rows, &tokens_object, &choices_object, &meta_object,
-                          &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.decoder))
+    if (!PyArg_ParseTuple(args, "O!OOOnOnndpO", &PyList_Type, &rows, &tokens_object, &choices_object, &meta_object,
+                          &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.record,
+                          &rules.decoder))
         return NULL;
     Py_ssize_t n_rows = PyList_GET_SIZE(rows);
     Py_buffer tokens = {0}, choices = {0}, meta = {0};
@@ -572,7 +669,7 @@ done:
 }
 
 static PyMethodDef functions[] = {
-    {"layout", layout, METH_VARARGS, "The step's inputs from every row's draft and pool candidates."},
+    {"layout", layout, METH_VARARGS, "The step's inputs from every row's draft and candidates."},
     {"greedy", greedy, METH_VARARGS, "The first index of each real query's largest logit."},
     {"verify", verify, METH_VARARGS, "Accept, emit and update every row's draft from the step's choices."},
     {NULL, NULL, 0, NULL},
@@ -583,17 +680,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The decod
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject **names[] = {&s_blocks, &s_sizes, &s_out, &s_done, &s_block_start, &s_verified, &s_forwards,
-                          &s_recycled, &s_finished, &s_pool, &s_prompt, &s_max_new_tokens, &s_filler};
+                          &s_recycled, &s_finished, &s_pool, &s_lookup, &s_prompt, &s_max_new_tokens, &s_states};
     const char *texts[] = {"blocks", "sizes", "out", "done", "block_start", "verified", "forwards",
-                           "recycled", "finished", "pool", "prompt", "max_new_tokens", "filler"};
+                           "recycled", "finished", "pool", "lookup", "prompt", "max_new_tokens", "states"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return NULL;
-    if (PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&LookupType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&PoolType);
-    if (PyModule_AddObject(m, "NgramPool", (PyObject *)&PoolType) < 0) {
-        Py_DECREF(&PoolType);
+    if (PyModule_AddObjectRef(m, "NgramPool", (PyObject *)&PoolType) < 0 ||
+        PyModule_AddObjectRef(m, "PromptLookup", (PyObject *)&LookupType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

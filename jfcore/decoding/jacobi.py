@@ -24,10 +24,10 @@ AR decoding is the special case of one block of size 1. A sampled row reads
 "the row's keyed sample" for "argmax" (jfcore/decoding/sampling.py): again a
 function of the prefix, so the output equals sequential sampling exactly.
 
-The rules are written here row by row. Where the C module was built, steps
-without prompt lookup or recording run the same rules in C
-(jfcore/decoding/native_rows.py); otherwise rows with one block and no
-candidates (ar, jacobi) run them as batch tensors (jfcore/decoding/batch_rows.py).
+The rules are written here row by row. Where the C module was built, every
+step runs the same rules in C (jfcore/decoding/native_rows.py); otherwise rows
+with one block and no candidates (ar, jacobi) run them as batch tensors
+(jfcore/decoding/batch_rows.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
 from jfcore.decoding.linear import FasterLinear, faster_linear
-from jfcore.decoding.lookup import PromptLookup
+from jfcore.decoding.lookup import RowLookup
 from jfcore.decoding.native_rows import native_step
 from jfcore.decoding.ngram_pool import RowPool
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
@@ -78,8 +78,7 @@ class JacobiDecoder:
         self.fixed_forward = fixed_forward(model, config.compile)
         # Prompt prefixes shared between rows are read by an eager attention: fixed-shape forwards keep their own.
         self.share_prefix_tokens = config.share_prefix_tokens if self.fixed_forward is None else 0
-        # Steps with their rules in C (jfcore/decoding/native_rows.py): every method without prompt lookup or
-        # recording, where the C module was built.
+        # Steps with their rules in C (jfcore/decoding/native_rows.py), where the C module was built.
         self.native_step = native_step(self, _tree)
         # Otherwise one block and no candidates, or AR with a prompt-lookup candidate: from this many rows on, a
         # decode runs them as batch tensors (jfcore/decoding/batch_rows.py), whose step costs a fixed ~0.3 ms of
@@ -128,7 +127,7 @@ class JacobiDecoder:
         if self.config.recycling:
             row.pool = RowPool(self.config.pool_size, self.config.ngram_size)
         if self.config.lookup_tokens:
-            row.lookup = PromptLookup(self.config.lookup_ngram, self.config.lookup_tokens, row.prompt)
+            row.lookup = RowLookup(self.config.lookup_ngram, self.config.lookup_tokens, row.prompt)
         return row
 
     @torch.inference_mode()

@@ -174,3 +174,13 @@ def simulate(prompt: Sequence[int], output: Sequence[int], max_ngram: int, max_t
         widths.append(1 + len(candidate))
         done += 1 + accepted
     return LookupReplay(len(output), len(widths), tuple(widths))
+
+
+try:  # the same index and candidates in C (jfcore/decoding/_lookup.c), built at install where a compiler is at hand
+    from jfcore.decoding._native import PromptLookup as CPromptLookup
+except ImportError:  # installed without a C compiler
+    CPromptLookup = None
+
+# What a row's prompt lookup is: the C one lets the C step (jfcore/decoding/native_rows.py) propose and extend
+# without Python.
+RowLookup = CPromptLookup or PromptLookup

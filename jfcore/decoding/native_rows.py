@@ -1,9 +1,10 @@
-"""A greedy row-by-row step with its rules in C (jfcore/decoding/_rows.c; docs/DESIGN.md, "Rows in C").
+"""The row-by-row step with its rules in C (jfcore/decoding/_rows.c; docs/DESIGN.md, "Rows in C").
 
 `JacobiDecoder._step` in jfcore/decoding/jacobi.py is the reference: the same layout of every row's draft and
 pool candidates, one forward, the greedy choice at every query, and the same acceptance and draft update, which
-leave every `Row` as the Python rules would. It runs where the C module was built, for every method without
-prompt lookup or recorded trajectories (those take the Python rules, or batch tensors). The choice is made in C
+leave every `Row` as the Python rules would (its pool and prompt lookup are the C ones, `ngram_pool.RowPool` and
+`lookup.RowLookup`; a closed block's trajectory is recorded by the decoder's `_close_block`). It runs for every
+step where the C module was built; otherwise the Python rules or batch tensors do. The choice is made in C
 where every row is greedy and the logits are float32 on the CPU, otherwise by `sampling.choose` as in Python. The
 step's arrays are bytearrays filled in C, which torch reads in place.
 """
@@ -32,11 +33,8 @@ TreeMask = Callable[[torch.Tensor, torch.device], torch.Tensor]  # jacobi.py's `
 
 
 def native_step(decoder: JacobiDecoder, tree_mask: TreeMask) -> NativeStep | None:
-    """The C step for this decoder's rows, or None where it does not apply (see the module's docstring)."""
-    cfg = decoder.config
-    if _native is None or decoder.record or cfg.lookup_tokens:
-        return None
-    return NativeStep(decoder, tree_mask)
+    """The C step for this decoder's rows, or None where the C module was not built."""
+    return NativeStep(decoder, tree_mask) if _native is not None else None
 
 
 class NativeStep:
@@ -44,12 +42,22 @@ class NativeStep:
         self.d = decoder
         self.tree_mask = tree_mask
         cfg = decoder.config
-        self.max_candidates = cfg.pool_size if cfg.recycling else 0
-        self.rules = (tuple(decoder.eos), decoder.block_size, cfg.blocks_in_flight, cfg.spawn_ratio, decoder)
+        self.max_candidates = (cfg.pool_size if cfg.recycling else 0) + (cfg.lookup_tokens and not cfg.lookup_within)
+        self.lookup_within = cfg.lookup_within
+        self.rules = (
+            tuple(decoder.eos),
+            decoder.block_size,
+            cfg.blocks_in_flight,
+            cfg.spawn_ratio,
+            decoder.record,
+            decoder,
+        )
 
     def __call__(self, batch: SlotBatch, rows: list[Row], step: int) -> None:
         d = self.d
-        tokens, positions, offsets, valid, meta, width, tree = _native.layout(rows, d.pad, self.max_candidates)
+        tokens, positions, offsets, valid, meta, width, tree = _native.layout(
+            rows, d.pad, self.max_candidates, self.lookup_within, d.record
+        )
         shape = (len(rows), width)
         query_valid = torch.frombuffer(valid, dtype=torch.bool).view(shape)
         mask = self.tree_mask(torch.frombuffer(offsets, dtype=torch.long).view(shape), batch.device) if tree else None

@@ -30,7 +30,7 @@ class Row:
     shared_tokens: int = 0  # prompt tokens read from a shared prefix (jfcore/decoding/shared_prefix.py), not prefilled
     finished: bool = False
     pool: NgramPool | None = None  # or the same pool in C (`ngram_pool.RowPool`)
-    lookup: PromptLookup | None = None
+    lookup: PromptLookup | None = None  # or the same lookup in C (`lookup.RowLookup`)
     copied: tuple[int, ...] = ()  # the prompt-lookup candidate of the forward in progress
     rng: random.Random | None = None  # filler draws, seeded per prompt
     sampling: Sampling = GREEDY  # how its tokens are chosen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,13 +23,13 @@ def test_the_c_step_is_built_and_taken_where_it_applies():
     for method in ("ar", "jacobi", "multiblock"):
         decoder = JacobiDecoder(m, DecodeConfig(method=method), [], 0)
         assert decoder.native_step is not None and decoder.batch_tensors_from is None
-    python_rules = [
-        DecodeConfig(method="jacobi", record_trajectories=True),
+    for config in (
         DecodeConfig(method="ar", lookup_tokens=2),
         DecodeConfig(method="multiblock", lookup_tokens=2),
-    ]
-    for config in python_rules:
-        assert JacobiDecoder(m, config, [], 0).native_step is None, config.describe()
+        DecodeConfig(method="jacobi", record_trajectories=True),
+    ):
+        decoder = JacobiDecoder(m, config, [], 0)
+        assert decoder.native_step is not None and decoder.batch_tensors_from is None, config.describe()
 
 
 def _run(decoder: JacobiDecoder, prompts):
@@ -36,19 +37,21 @@ def _run(decoder: JacobiDecoder, prompts):
     decoder.on_step = events.append
     out = decoder.decode(prompts)
     s = out.stats
-    return out.sequences, s.forwards_per_row, s.forward_calls, s.recycled_tokens, events
+    trajectories = None if out.trajectories is None else [[(b.start, b.states) for b in t] for t in out.trajectories]
+    return out.sequences, s.forwards_per_row, s.forward_calls, s.recycled_tokens, events, trajectories
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_rows_in_c_follow_the_python_rules_exactly(arch):
-    """Same tokens, forwards per row, recycled tokens and per-step events (widths, cache lengths) as the Python
-    rules, over methods, block sizes, blocks in flight, pools, spawn ratios, fillers, EOS sets, budgets, sampled
-    rows and ragged batches; prompts repeat phrases, so pooled candidates win and move their slots."""
+    """Same tokens, forwards per row, recycled tokens, per-step events (widths, cache lengths) and recorded
+    trajectories as the Python rules, over methods, block sizes, blocks in flight, pools, prompt lookup (beside and within the draft), spawn
+    ratios, fillers, EOS sets, budgets, sampled rows and ragged batches; prompts repeat phrases, so pooled and
+    copied candidates win and move their slots."""
     m = tiny_model(arch)
     rng = random.Random(arch)
-    recycled = finished_early = 0
+    recycled = finished_early = recorded = 0
     cases = []
-    for case in range(10):
+    for case in range(12):
         phrases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 5))] for _ in range(3)]
         prompts = [
             [t for _ in range(rng.randrange(1, 6)) for t in rng.choice(phrases)] for _ in range(rng.choice([1, 3, 7]))
@@ -64,13 +67,25 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
             filler=rng.choice(["context", "random"]),
             seed=case,
             temperature=rng.choice([0.0, 0.0, 0.9]),
+            lookup_tokens=rng.choice([0, 0, 2, 6]),
+            lookup_ngram=rng.choice([1, 2, 3]),
         )
+        if config.lookup_tokens and config.method != "ar" and rng.random() < 0.5:
+            config = replace(config, lookup_within=True)
+        if config.method == "jacobi" and not config.lookup_tokens and not config.temperature and rng.random() < 0.7:
+            config = replace(config, record_trajectories=True)
         text = JacobiDecoder(m, config, [], 0).decode(prompts[:1]).sequences[0]  # EOS that some row meets
         eos = rng.choice([[], [text[len(text) // 2]], [3, text[-1]]])
         cases.append((config, prompts, eos))
-    # Long multiblock decodes: pooled candidates win (each architecture's model repeats itself within 120 tokens).
+    # Long multiblock decodes: pooled candidates win (each architecture's model repeats itself within 120 tokens),
+    # and the copied candidate is sometimes one of them (verified once).
     long = DecodeConfig(method="multiblock", block_size=8, max_new_tokens=120, spawn_ratio=0.5)  # spawns at 4 of 8
     cases.append((long, [[5, 6, 7, 8], [9, 10]], []))
+    cases.append((replace(long, lookup_tokens=6, lookup_ngram=2), [[5, 6, 7, 8] * 4, [9, 10]], []))
+    # Recorded trajectories: blocks used up, and rows that end at EOS or their budget mid-block.
+    recording = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=30, record_trajectories=True)
+    text = JacobiDecoder(m, recording, [], 0).decode([[9, 10, 11]]).sequences[0]
+    cases.append((recording, [[5, 6, 7], [9, 10, 11], [3]], [text[13]]))
     for config, prompts, eos in cases:
         in_c = JacobiDecoder(m, config, eos, 0)
         python = JacobiDecoder(m, config, eos, 0)
@@ -78,8 +93,9 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
         got, expected = _run(in_c, prompts), _run(python, prompts)
         assert got == expected, config.describe()
         recycled += got[3]
+        recorded += bool(got[5])
         finished_early += sum(len(s) < config.max_new_tokens for s in got[0])
-    assert recycled > 0 and finished_early > 0  # candidates won, and EOS ended rows
+    assert recycled > 0 and finished_early > 0 and recorded  # candidates won, EOS ended rows, trajectories recorded
 
 
 def test_the_c_greedy_choice_is_torchs():
@@ -111,6 +127,6 @@ def test_the_c_step_says_what_is_wrong():
     decoder._carry_on(row, 9, guess=9, progress=0)
     row.pool = NgramPool(2, 3)
     with pytest.raises(TypeError, match="pool in C"):
-        _native.layout([row], 0, 2)
+        _native.layout([row], 0, 2, False, False)
     with pytest.raises(ValueError, match="logits: expected 256 bytes"):
         _native.greedy(torch.zeros(2, 16).numpy(), None, 1, 1, 64)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.lookup import BatchLookup, PromptLookup, simulate
+from jfcore.decoding.lookup import BatchLookup, CPromptLookup, PromptLookup, RowLookup, simulate
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 
 MAX_NEW = 48
@@ -82,7 +82,16 @@ def test_copied_candidates_are_accepted_and_replayed_exactly():
     assert out.stats.tpf > 4 and max(widths) == 6  # the copy takes the draft's place: no extra positions
 
 
-def test_lookup_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix():
+LOOKUPS = [PromptLookup, CPromptLookup]  # the reference and its C twin (None where it was not built: those tests fail)
+
+
+def test_rows_use_the_c_lookup():
+    assert CPromptLookup is not None, "jfcore/decoding/_lookup.c was not built: install a C compiler, pip install -e ."
+    assert RowLookup is CPromptLookup
+
+
+@pytest.mark.parametrize("PromptLookup", LOOKUPS, ids=["python", "c"])
+def test_lookup_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(PromptLookup):
     lookup = PromptLookup(max_ngram=2, max_tokens=3, text=[1, 2, 3, 9, 2, 3, 4, 5, 7])
     assert lookup.propose(3, limit=10) == [4, 5, 7]  # (7, 3) never occurred; (3,) last followed by 4
     lookup.extend([3])
@@ -91,14 +100,16 @@ def test_lookup_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(
     assert PromptLookup(2, 3, [1, 2]).propose(8, 10) == []
 
 
-def test_a_repeating_pattern_gets_a_full_length_candidate():
+@pytest.mark.parametrize("PromptLookup", LOOKUPS, ids=["python", "c"])
+def test_a_repeating_pattern_gets_a_full_length_candidate(PromptLookup):
     """The latest match of "8 7" ends one token before the text does: the copy runs on through the known next
     token and itself."""
     assert PromptLookup(max_ngram=2, max_tokens=6, text=[7, 8, 7, 8]).propose(7, limit=10) == [8, 7, 8, 7, 8, 7]
     assert PromptLookup(max_ngram=3, max_tokens=4, text=[5, 5, 5]).propose(5, limit=10) == [5, 5, 5, 5]
 
 
-def test_candidate_length_grows_on_full_acceptance_and_shrinks_on_rejection():
+@pytest.mark.parametrize("PromptLookup", LOOKUPS, ids=["python", "c"])
+def test_candidate_length_grows_on_full_acceptance_and_shrinks_on_rejection(PromptLookup):
     lookup = PromptLookup(max_ngram=1, max_tokens=7)
     lookup.length = 3
     lookup.update(proposed=3, accepted=3)
@@ -112,6 +123,27 @@ def test_candidate_length_grows_on_full_acceptance_and_shrinks_on_rejection():
     assert lookup.length == 1
     lookup.update(proposed=0, accepted=0)  # nothing proposed: nothing learnt
     assert lookup.length == 1
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    text=st.lists(st.integers(0, 4), max_size=40),
+    max_ngram=st.integers(1, 5),
+    max_tokens=st.integers(0, 9),
+    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(-1, 12), st.integers(0, 9)), min_size=1, max_size=12),
+)
+def test_the_c_lookup_proposes_and_adapts_like_the_python_one(text, max_ngram, max_tokens, steps):
+    """Step after step the same candidate, length and text: texts over a 5-token vocabulary repeat, so matches of
+    every length, overlaps with the end and copies that run on into themselves occur."""
+    python, c = PromptLookup(max_ngram, max_tokens, text), CPromptLookup(max_ngram, max_tokens, text)
+    for next_token, limit, accepted in steps:
+        proposed = python.propose(next_token, limit)
+        assert c.propose(next_token, limit) == proposed
+        taken = min(accepted, len(proposed))
+        for lookup in (python, c):
+            lookup.update(len(proposed), taken)
+            lookup.extend([next_token, *proposed[:taken]])
+        assert (c.length, c.text) == (python.length, python.text)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
