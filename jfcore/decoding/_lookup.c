@@ -154,6 +154,7 @@ static int tokens_of(PyObject *sequence, int64_t **tokens, Py_ssize_t *n) {
 static PyObject *Lookup_extend(Lookup *l, PyObject *sequence) {
     int64_t *tokens;
     Py_ssize_t n;
+    if (l->places == NULL) return PyErr_Format(PyExc_RuntimeError, "PromptLookup.__init__ was not called");
     if (tokens_of(sequence, &tokens, &n) < 0) return NULL;
     int r = lookup_extend(l, tokens, n);
     PyMem_Free(tokens);

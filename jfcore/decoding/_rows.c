@@ -110,7 +110,8 @@ static int read_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, P
 
 static Lookup *row_lookup(PyObject *row) { /* a new reference, None, or NULL with an exception */
     PyObject *lookup = PyObject_GetAttr(row, s_lookup);
-    if (lookup != NULL && lookup != Py_None && !PyObject_TypeCheck(lookup, &LookupType)) {
+    if (lookup != NULL && lookup != Py_None &&
+        (!PyObject_TypeCheck(lookup, &LookupType) || ((Lookup *)lookup)->places == NULL)) {
         PyErr_SetString(PyExc_TypeError, "rows in C need their prompt lookup in C (lookup.RowLookup)");
         Py_CLEAR(lookup);
     }
@@ -256,7 +257,7 @@ static PyObject *layout(PyObject *self, PyObject *args) {
         Py_DECREF(blocks);
         Py_ssize_t draft = inputs.length - starts[b];
         if (draft == 0) {
-            PyErr_SetString(PyExc_ValueError, "a row in a step has a draft in flight");
+            PyErr_SetString(PyExc_ValueError, "every row in a step needs a draft in flight (a finished row left?)");
             goto done;
         }
         int64_t *row_info = info + b * stride;
@@ -574,7 +575,7 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     PyObject *pool = PyObject_GetAttr(row, s_pool);
     if (pool == NULL) goto done;
     int added = 0;
-    if (pool != Py_None && !PyObject_TypeCheck(pool, &PoolType)) {
+    if (pool != Py_None && (!PyObject_TypeCheck(pool, &PoolType) || ((Pool *)pool)->keys == NULL)) {
         PyErr_SetString(PyExc_TypeError, "rows in C need their pool in C (ngram_pool.CNgramPool)");
         added = -1;
     } else if (pool != Py_None) {
@@ -583,7 +584,7 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     Py_DECREF(pool);
     if (added < 0) goto done;
     Py_ssize_t progress = 0;
-    if (rules->in_flight > 1) { /* `_newest_progress` */
+    if (rules->in_flight > 1 && PyList_GET_SIZE(s.blocks) > 0) { /* `_newest_progress` */
         Py_ssize_t blocks = PyList_GET_SIZE(s.blocks);
         Py_ssize_t start = draft - PyList_GET_SIZE(PyList_GET_ITEM(s.blocks, blocks - 1)), i = Py_MAX(start, 1);
         while (i < draft && input[i] == pred[i - 1]) i++;

@@ -42,7 +42,8 @@ class NativeStep:
         self.d = decoder
         self.tree_mask = tree_mask
         cfg = decoder.config
-        self.max_candidates = (cfg.pool_size if cfg.recycling else 0) + (cfg.lookup_tokens and not cfg.lookup_within)
+        copied_beside = cfg.lookup_tokens > 0 and not cfg.lookup_within  # the copy is a candidate of its own
+        self.max_candidates = (cfg.pool_size if cfg.recycling else 0) + int(copied_beside)
         self.lookup_within = cfg.lookup_within
         self.rules = (
             tuple(decoder.eos),

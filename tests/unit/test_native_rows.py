@@ -10,8 +10,9 @@ import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent
 from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.lookup import CPromptLookup
 from jfcore.decoding.native_rows import _native
-from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.ngram_pool import CNgramPool, NgramPool
 from tests.support.tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 
@@ -125,8 +126,11 @@ def test_the_c_step_says_what_is_wrong():
     decoder = JacobiDecoder(m, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0)
     row = decoder.new_row(0, [5, 6, 7])
     decoder._carry_on(row, 9, guess=9, progress=0)
-    row.pool = NgramPool(2, 3)
-    with pytest.raises(TypeError, match="pool in C"):
-        _native.layout([row], 0, 2, False, False)
+    for pool in (NgramPool(2, 3), CNgramPool.__new__(CNgramPool)):  # the Python pool; a C one never initialised
+        row.pool = pool
+        with pytest.raises(TypeError, match="pool in C"):
+            _native.layout([row], 0, 2, False, False)
+    with pytest.raises(RuntimeError, match="__init__ was not called"):
+        CPromptLookup.__new__(CPromptLookup).extend([1, 2])
     with pytest.raises(ValueError, match="logits: expected 256 bytes"):
         _native.greedy(torch.zeros(2, 16).numpy(), None, 1, 1, 64)
