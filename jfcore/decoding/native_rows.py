@@ -5,8 +5,8 @@ pool candidates, one forward, the greedy choice at every query, and the same acc
 leave every `Row` as the Python rules would (its pool and prompt lookup are the C ones, `ngram_pool.RowPool` and
 `lookup.RowLookup`; a closed block's trajectory is recorded by the decoder's `_close_block`). It runs for every
 step where the C module was built; otherwise the Python rules or batch tensors do. The choice is made in C
-where every row is greedy and the logits are float32 on the CPU, otherwise by `sampling.choose` as in Python. The
-step's arrays are bytearrays filled in C, which torch reads in place.
+where every row is greedy and the logits are few and float32 on the CPU, otherwise by `sampling.choose` as in
+Python. The step's arrays are bytearrays filled in C, which torch reads in place.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 
 TreeMask = Callable[[torch.Tensor, torch.device], torch.Tensor]  # jacobi.py's `_tree`: offsets -> [B, Q, Q] mask
+# Greedy choices over at most this many float32 logits are made in C (one thread, no tensor operations); over more,
+# torch's two-pass choice (`sampling.greedy_argmax`, from the same size on), on every intra-op thread, is faster
+# (docs/DESIGN.md, "Rows in C").
+C_CHOICE_LOGITS = 1 << 19
 
 
 def native_step(decoder: JacobiDecoder, tree_mask: TreeMask) -> NativeStep | None:
@@ -69,10 +73,11 @@ class NativeStep:
             mask,
             packed=True,
         )
-        if logits.device.type == "cpu" and logits.dtype == torch.float32 and all(r.sampling.greedy for r in rows):
+        cpu_float32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+        if cpu_float32 and logits.numel() <= C_CHOICE_LOGITS and all(r.sampling.greedy for r in rows):
             packed = logits.dim() == 2
             choices = _native.greedy(logits.contiguous().numpy(), valid if packed else None, *shape, logits.shape[-1])
-        else:  # sampled rows, a GPU (the step's one host sync) or logits in another dtype: as in Python
+        else:  # many logits, sampled rows, a GPU (the step's one host sync) or another dtype: as in Python
 
             def generated() -> torch.Tensor:
                 ahead = torch.tensor([len(r.out) + 1 for r in rows])[:, None]

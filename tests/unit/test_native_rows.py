@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from jfcore.decoding import DecodeConfig, StepEvent
+from jfcore.decoding import DecodeConfig, StepEvent, native_rows
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.lookup import CPromptLookup
 from jfcore.decoding.native_rows import _native
@@ -97,6 +97,22 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
         recorded += bool(got[5])
         finished_early += sum(len(s) < config.max_new_tokens for s in got[0])
     assert recycled > 0 and finished_early > 0 and recorded  # candidates won, EOS ended rows, trajectories recorded
+
+
+def test_above_the_c_choice_size_torchs_choice_feeds_the_same_rules(monkeypatch):
+    """Over many logits the step takes torch's greedy choice (`C_CHOICE_LOGITS`): the same decodes as the Python
+    rules, here with every step over that size."""
+    monkeypatch.setattr(native_rows, "C_CHOICE_LOGITS", 0)
+    m = tiny_model("qwen2")
+    prompts = [[5, 6, 7, 8] * 3, [9, 10], [11]]
+    for config in (
+        DecodeConfig(method="multiblock", block_size=8, max_new_tokens=60, lookup_tokens=3),
+        DecodeConfig(method="jacobi", block_size=4, max_new_tokens=30, record_trajectories=True),
+        DecodeConfig(method="ar", max_new_tokens=30, lookup_tokens=4, lookup_ngram=2),
+    ):
+        python = JacobiDecoder(m, config, [], 0)
+        python.native_step = None
+        assert _run(JacobiDecoder(m, config, [], 0), prompts) == _run(python, prompts), config.describe()
 
 
 def test_the_c_greedy_choice_is_torchs():
