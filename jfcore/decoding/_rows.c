@@ -46,6 +46,14 @@ static PyObject *get_list(PyObject *row, PyObject *name) { /* a new reference to
     return v;
 }
 
+static int list_length(PyObject *row, PyObject *name, Py_ssize_t *length) { /* len(row.<name>) of a list */
+    PyObject *list = get_list(row, name);
+    if (list == NULL) return -1;
+    *length = PyList_GET_SIZE(list);
+    Py_DECREF(list);
+    return 0;
+}
+
 static PyObject *int_list(const int64_t *tokens, Py_ssize_t n) {
     PyObject *list = PyList_New(n);
     if (list == NULL) return NULL;
@@ -173,11 +181,7 @@ static int candidates(PyObject *row, Buffer *inputs, Buffer *offsets, Py_ssize_t
     }
     if ((PyObject *)lookup != Py_None && !within) {
         Py_ssize_t max_new_tokens, out;
-        PyObject *out_list = get_list(row, s_out);
-        if (out_list == NULL) goto done;
-        out = PyList_GET_SIZE(out_list);
-        Py_DECREF(out_list);
-        if (get_int(row, s_max_new_tokens, &max_new_tokens) < 0) goto done;
+        if (list_length(row, s_out, &out) < 0 || get_int(row, s_max_new_tokens, &max_new_tokens) < 0) goto done;
         Py_ssize_t n = lookup_propose(lookup, inputs->data[start], max_new_tokens - out - 1), c = 0;
         for (; n && c < row_info[1]; c++) /* not when a pooled candidate says the same */
             if (row_info[3 + 2 * c] == n &&
@@ -269,11 +273,7 @@ static PyObject *layout(PyObject *self, PyObject *args) {
         if (row_info[1] && (length - row_info[3] > 1 || row_info[1] > 1)) tree = 1;
         width = Py_MAX(width, length);
         Py_ssize_t prompt, verified;
-        PyObject *prompt_list = get_list(row, s_prompt);
-        if (prompt_list == NULL) goto done;
-        prompt = PyList_GET_SIZE(prompt_list);
-        Py_DECREF(prompt_list);
-        if (get_int(row, s_verified, &verified) < 0) goto done;
+        if (list_length(row, s_prompt, &prompt) < 0 || get_int(row, s_verified, &verified) < 0) goto done;
         committed[b] = prompt + verified;
     }
     starts[n_rows] = inputs.length;

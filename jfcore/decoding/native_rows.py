@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jfcore.decoding.result import StepEvent
+from jfcore.decoding.sampling import TWO_PASS_LOGITS
 from jfcore.decoding.slots import SlotBatch
 
 try:  # built at install where a C compiler is at hand (pyproject.toml)
@@ -33,7 +34,7 @@ TreeMask = Callable[[torch.Tensor, torch.device], torch.Tensor]  # jacobi.py's `
 # Greedy choices over at most this many float32 logits are made in C (one thread, no tensor operations); over more,
 # torch's two-pass choice (`sampling.greedy_argmax`, from the same size on), on every intra-op thread, is faster
 # (docs/DESIGN.md, "Rows in C").
-C_CHOICE_LOGITS = 1 << 19
+C_CHOICE_LOGITS = TWO_PASS_LOGITS
 
 
 def native_step(decoder: JacobiDecoder, tree_mask: TreeMask) -> NativeStep | None:

@@ -120,6 +120,9 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     return scores
 
 
+TWO_PASS_LOGITS = 1 << 19  # from this many logits on, `greedy_argmax` takes its two passes
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.max(-1).indices` (the first index of the largest value), on a CPU in two passes: each chunk's maximum
     over the vocabulary cut into about sqrt(V) chunks, then the first index of the largest within the first chunk
@@ -127,7 +130,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     vocabulary (bench/argmax_bench.py: 1.4x at [64, 42, 2048], 3-6x at SmolLM2's 49152)."""
     vocab = logits.shape[-1]
     chunk = 1 << max(5, round(math.log2(vocab) / 2))
-    if logits.device.type != "cpu" or vocab < 4 * chunk or logits.numel() < 1 << 19:  # small: one pass is cheaper
+    # Small: one pass is cheaper.
+    if logits.device.type != "cpu" or vocab < 4 * chunk or logits.numel() < TWO_PASS_LOGITS:
         return logits.max(-1).indices
     whole = vocab - vocab % chunk
     chunks = logits[..., :whole].unflatten(-1, (whole // chunk, chunk))
