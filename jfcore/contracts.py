@@ -5,8 +5,9 @@ The stages and their folders under a recipe's `work_dir` (docs/DESIGN.md, "Stage
     trajectories/<store>/            shard-NNNNN.parquet (TRAJECTORY_SCHEMA), manifest.json,
                                      sets/<prompt set>.json (a Selection: the stage's output)
     packing/<key>/                   packed-NNNNN.parquet (PACKED_SCHEMA), stats.json written last;
+                                     heldout/: the held-out prompts, packed alike (HELDOUT);
                                      .arrow/<fingerprint>/: training's memory-mapped copies of the shards
-    training/<key>[.<n>]/            launch.json, launch.log, checkpoints/, exports/, metrics.jsonl,
+    training/<key>[.<n>]/            launch.json, launch.log, checkpoints/, exports/, metrics.jsonl, acceptance.jsonl,
                                      final/ (HF checkpoint + jacobi_forcing.json), export.json (its sums)
     training/latest                  a link to the newest training run
     tuning/<key>/                    tune.json, tune.png (the tune itself goes into final/jacobi_forcing.json)
@@ -45,6 +46,7 @@ TIMINGS = "timings.jsonl"  # in work_dir: {"stage": "trajectories/n16", "seconds
 MANIFEST = "manifest.json"  # a sharded run folder's shards, their checksums and settings
 SETS = "sets"  # in a trajectory store: one selection file per prompt set
 STATS = "stats.json"  # in a packed folder, written last: a packed folder without it is unfinished
+HELDOUT = "heldout"  # in a packed folder: prompts kept out of training, packed alike (with a stats.json of their own)
 RUN_FILE = "mlflow_run.json"  # in a stage's output folder: the MLflow run a resumed stage keeps logging to
 
 # A training run's folder (jfcore.training.checkpoints reads and writes it).
@@ -57,6 +59,7 @@ FINAL = "final"  # the trained model: a plain HF checkpoint with its tokenizer
 EXPORT_METADATA = "jacobi_forcing.json"  # in an export: training config, steps, block size; the tune (jfcore.metadata)
 EXPORT_SUMS = "export.json"  # beside final/: checksums of its files, so a changed export is never reused
 METRICS = "metrics.jsonl"  # one record per optimizer step
+ACCEPTANCE = "acceptance.jsonl"  # one record per acceptance measurement on the held-out prompts (and the decoded check)
 DEEPSPEED_CONFIG = "deepspeed_config.json"  # the DeepSpeed config the engine ran with
 FAILURE_PREFIX = "failure-"  # failure-rank<N>.txt: why a training process stopped
 LATEST = "latest"  # in a training/ folder: a link to the newest run

@@ -12,6 +12,10 @@ with `pad_token_id`. The trainer must find padding through `valid_lengths`,
 never through the PAD id, which may also be a real token. Noise levels of such
 a block are taken over its valid length m, (m - d) / m, so t = 0 still selects
 its fixed point.
+
+A seeded hash of the prompt id keeps a share of whole prompts out of training
+(`heldout_fraction`): they are packed alike into `heldout/`, where training
+measures acceptance (jfcore/training/acceptance.py), and stats.json lists them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import pyarrow.parquet as pq
 
 from jfcore.atomic import atomic_write
 from jfcore.config import check, to_dict
-from jfcore.contracts import PACKED_SCHEMA, STATS
+from jfcore.contracts import HELDOUT, PACKED_SCHEMA, STATS
 from jfcore.trajectories import first_mismatch
 
 # The trajectory columns packing reads (jfcore.contracts.TRAJECTORY_SCHEMA).
@@ -64,7 +68,7 @@ class PackingConfig:
     """How to choose each block's noisy state and shape the packed sequences."""
 
     strategy: Literal["progressive", "random"] = "progressive"
-    window: int = 8  # w: the progressive ramp restarts every w blocks
+    window: int = 8  # w: the progressive ramp restarts every w blocks (a response of fewer blocks gets all of it)
     min_noise: float = 0.0
     max_noise: float = 1.0
     seed: int = 0  # for the random strategy
@@ -72,6 +76,8 @@ class PackingConfig:
     pad_token_id: int = 0  # fills short last blocks; any valid token id (see module docstring)
     expected_tokenizer_fingerprint: str | None = None  # refuse shards made with another tokenizer
     sequences_per_shard: int = 4096
+    heldout_fraction: float = 0.0  # share of prompts (by a seeded hash of their id) packed into heldout/, not trained
+    heldout_seed: int = 0
 
     def __post_init__(self) -> None:
         check(self.strategy in ("progressive", "random"), f"unknown strategy {self.strategy!r}")
@@ -83,6 +89,7 @@ class PackingConfig:
         check(self.max_length is None or self.max_length >= 1, f"max_length must be >= 1, got {self.max_length}")
         check(self.pad_token_id >= 0, f"pad_token_id must be >= 0, got {self.pad_token_id}")
         check(self.sequences_per_shard >= 1, f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
+        check(0.0 <= self.heldout_fraction < 1.0, f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
 
 
 @dataclass
@@ -96,6 +103,7 @@ class PackingStats:
     noise_histogram: list[int] = field(default_factory=lambda: [0] * HISTOGRAM_BINS)  # equal bins over [0, 1]
     tokenizer_fingerprint: str | None = None
     shards: list[str] = field(default_factory=list)  # packed shard file names
+    heldout_prompts: list[str] = field(default_factory=list)  # kept out of training, packed into heldout/
 
     @property
     def consistency_share(self) -> float:
@@ -119,17 +127,33 @@ def noise_level(first_mismatch: int, n: int) -> float:
     return (n - first_mismatch) / n
 
 
-def block_target(config: PackingConfig, prompt_id: str, block_index: int) -> float:
-    """The noise level the schedule asks for at block `block_index` of `prompt_id`."""
+def block_target(config: PackingConfig, prompt_id: str, block_index: int, num_blocks: int) -> float:
+    """The noise level the schedule asks for at block `block_index` of `prompt_id`, packed with `num_blocks` blocks.
+
+    progressive: W = linspace(min_noise, max_noise, w) and target W[block_index mod w], a ramp that restarts every
+    w blocks, with w = min(window, num_blocks): a response of fewer blocks than the window gets the whole ramp over
+    its own blocks. (A fixed w gave it only the ramp's quiet start: 4 blocks in a window of 8 never passed noise
+    3/7, and a synthetic task whose drafts can be learned exactly stayed at 1.2 tokens per forward; docs/DESIGN.md,
+    section 4.)"""
     lo, hi = config.min_noise, config.max_noise
     if config.strategy == "random":
-        # Hash of (seed, prompt, block) rather than a running generator: independent of shard and prompt order.
-        key = f"{config.seed}\0{prompt_id}\0{block_index}".encode()
-        u = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
-        return lo + u * (hi - lo)
-    if config.window == 1:
+        return lo + _unit_hash(config.seed, prompt_id, block_index) * (hi - lo)
+    window = min(config.window, num_blocks)
+    if window <= 1:
         return lo
-    return float(np.linspace(lo, hi, config.window)[block_index % config.window])
+    return float(np.linspace(lo, hi, window)[block_index % window])
+
+
+def is_heldout(config: PackingConfig, prompt_id: str) -> bool:
+    """Whether a prompt is kept out of training: a seeded hash of its id, so the choice does not depend on the
+    shards, their order or which other prompts are packed, and a prompt stays on its side as prompts are added."""
+    return _unit_hash(config.heldout_seed, "heldout", prompt_id) < config.heldout_fraction
+
+
+def _unit_hash(*key) -> float:
+    """A hash of `key` as a float in [0, 1): independent draws without a running generator."""
+    digest = hashlib.blake2b("\0".join(map(str, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def choose_state(mismatches: Sequence[int], length: int, target: float) -> int:
@@ -163,7 +187,7 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig) -> dict
     for j, row in enumerate(rows[:T]):
         fixed, m = row["fixed_point"], len(row["fixed_point"])
         mismatches = [first_mismatch(s, fixed) for s in row["states"]]
-        chosen = choose_state(mismatches, m, block_target(config, prompt_id, j))
+        chosen = choose_state(mismatches, m, block_target(config, prompt_id, j, T))
         pad = [config.pad_token_id] * (n - m)
         seq["input_ids"] += row["states"][chosen] + pad + fixed + pad
         seq["position_ids"] += list(range(P + j * n, P + (j + 1) * n)) * 2
@@ -221,9 +245,12 @@ def pack_shards(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / STATS).unlink(missing_ok=True)  # an old marker must not vouch for a half-rewritten set
+    shutil.rmtree(out_dir / HELDOUT, ignore_errors=True)
+    (out_dir / HELDOUT).mkdir()
     for stale in out_dir.glob(".spill-*"):  # left by a killed run
         shutil.rmtree(stale, ignore_errors=True)
-    writer = _ShardWriter(out_dir, config, stats)
+    heldout = PackingStats(tokenizer_fingerprint=stats.tokenizer_fingerprint)
+    writers = {False: _ShardWriter(out_dir, config, stats), True: _ShardWriter(out_dir / HELDOUT, config, heldout)}
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".spill-") as spill:
         for bucket in _spill_by_prompt(files, sources, wanted, prompt_ids, Path(spill)):
             by_prompt: dict[str, list[dict]] = defaultdict(list)
@@ -231,16 +258,30 @@ def pack_shards(
                 by_prompt[row["prompt_id"]].append(row)
             del bucket
             for prompt_id in sorted(by_prompt):
+                held = is_heldout(config, prompt_id)
                 seq = pack_prompt(prompt_id, by_prompt[prompt_id], config)
                 if seq is None:
                     stats.skipped += 1
                     continue
-                stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
-                stats.add(seq)
-                writer.add(seq)
+                if held:
+                    stats.heldout_prompts.append(prompt_id)
+                    heldout.add(seq)
+                else:
+                    stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+                    stats.add(seq)
+                writers[held].add(seq)
     if not stats.sequences:
+        if stats.heldout_prompts:
+            raise PackingError(
+                f"every packed prompt ({len(stats.heldout_prompts)}) is held out: lower heldout_fraction "
+                f"({config.heldout_fraction}) or pack more prompts"
+            )
         raise PackingError(f"no prompt fits max_length={config.max_length} (all {stats.skipped} skipped)")
-    writer.close()
+    if heldout.sequences:
+        writers[True].close()
+    else:
+        (out_dir / HELDOUT).rmdir()
+    writers[False].close()
     return stats
 
 

@@ -21,6 +21,7 @@ from jfcore.packing import (
     PackingError,
     block_target,
     choose_state,
+    is_heldout,
     noise_level,
     pack_shards,
 )
@@ -124,7 +125,7 @@ def test_packed_sequences_hold_the_invariants(tmp_path, decoded, shards, strateg
             assert k_pos == l_pos == list(range(P + j * N, P + (j + 1) * N))
             states, fixed, m = blocks[j]["states"], blocks[j]["fixed_point"], seq["valid_lengths"][j]
             assert l == fixed + [95] * (N - m) and k[m:] == [95] * (N - m)
-            target = block_target(PackingConfig(**config), seq["prompt_id"], j)
+            target = block_target(PackingConfig(**config), seq["prompt_id"], j, T)
             assert k[:m] == states[brute_force_choice(states, fixed, target)]
             d = seq["first_mismatch"][j]
             assert d == first_mismatch(k[:m], fixed)
@@ -148,19 +149,28 @@ def test_zero_noise_selects_the_fixed_point(tmp_path, shards):
 
 def test_progressive_targets_cycle_with_period_w():
     config = PackingConfig(window=4, min_noise=0.2, max_noise=0.8)
-    targets = [block_target(config, "any", k) for k in range(12)]
+    targets = [block_target(config, "any", k, 12) for k in range(12)]
     assert targets[:4] == pytest.approx(np.linspace(0.2, 0.8, 4).tolist())
     assert targets[:4] == targets[4:8] == targets[8:] and targets[3] == 0.8
-    assert [block_target(config, "other", k) for k in range(12)] == targets
-    assert block_target(PackingConfig(window=1, min_noise=0.3, max_noise=0.9), "any", 5) == 0.3
+    assert [block_target(config, "other", k, 12) for k in range(12)] == targets
+    assert block_target(PackingConfig(window=1, min_noise=0.3, max_noise=0.9), "any", 5, 12) == 0.3
+
+
+def test_a_response_shorter_than_the_window_gets_the_whole_ramp(tmp_path, decoded, shards):
+    config = PackingConfig(window=16)  # every prompt here has 5 blocks
+    assert [block_target(config, "any", k, 5) for k in range(5)] == pytest.approx([0, 0.25, 0.5, 0.75, 1])
+    assert [block_target(config, "any", k, 1) for k in range(1)] == [0.0]
+    _, table = pack(shards, tmp_path / "packed", window=16)
+    for seq in table.to_pylist():  # the ramp reaches noisy states (a fixed window of 16 would stop at 4/15)
+        assert seq["noise_levels"][0] == 0 and max(seq["noise_levels"]) >= 0.75
 
 
 def test_random_targets_are_seeded_and_independent_of_shard_order(tmp_path, shards):
     config = {"strategy": "random", "min_noise": 0.2, "max_noise": 0.6}
-    targets = [block_target(PackingConfig(**config), f"p{i}", k) for i in range(4) for k in range(5)]
+    targets = [block_target(PackingConfig(**config), f"p{i}", k, 5) for i in range(4) for k in range(5)]
     assert all(0.2 <= t <= 0.6 for t in targets) and len(set(targets)) == len(targets)
-    assert targets == [block_target(PackingConfig(**config), f"p{i}", k) for i in range(4) for k in range(5)]
-    assert targets != [block_target(PackingConfig(**config, seed=1), f"p{i}", k) for i in range(4) for k in range(5)]
+    assert targets == [block_target(PackingConfig(**config), f"p{i}", k, 5) for i in range(4) for k in range(5)]
+    assert targets != [block_target(PackingConfig(**config, seed=1), f"p{i}", k, 5) for i in range(4) for k in range(5)]
     _, a = pack(shards, tmp_path / "a", strategy="random")
     _, b = pack(shards[::-1], tmp_path / "b", strategy="random")
     _, c = pack(shards, tmp_path / "c", strategy="random", seed=1)
@@ -306,3 +316,33 @@ def test_streaming_packing_equals_packing_in_memory(tmp_path, monkeypatch):
         for name, table in zip(stats.shards, expected):
             assert pq.read_table(tmp_path / "out" / name).to_pylist() == table.to_pylist()
         assert not list((tmp_path / "out").glob(".spill-*"))
+
+
+def test_heldout_prompts_are_whole_seeded_and_packed_apart(tmp_path, shards):
+    stats, table = pack(shards, tmp_path / "packed", heldout_fraction=0.5, heldout_seed=3)
+    held = sorted(stats.heldout_prompts)
+    assert 0 < len(held) < len(PROMPTS)  # this seed splits the four prompts
+    assert held == [
+        p
+        for p in (f"p{i}" for i in range(len(PROMPTS)))
+        if is_heldout(PackingConfig(heldout_fraction=0.5, heldout_seed=3), p)
+    ]
+    trained = table.column("prompt_id").to_pylist()
+    assert sorted(trained + held) == sorted(f"p{i}" for i in range(len(PROMPTS))) and not set(trained) & set(held)
+    heldout_stats = json.loads((tmp_path / "packed" / "heldout" / "stats.json").read_text())
+    heldout_rows = pa.concat_tables(
+        [pq.read_table(tmp_path / "packed" / "heldout" / n) for n in heldout_stats["shards"]]
+    )
+    assert sorted(heldout_rows.column("prompt_id").to_pylist()) == held  # whole prompts, packed like the rest
+    assert json.loads((tmp_path / "packed" / "stats.json").read_text())["heldout_prompts"] == stats.heldout_prompts
+    assert stats.sequences == len(trained) and heldout_stats["sequences"] == len(held)
+    # The choice is the prompt id's alone: another shard order and a subset of the prompts keep each on its side.
+    again, _ = pack(shards[::-1], tmp_path / "again", heldout_fraction=0.5, heldout_seed=3)
+    assert again.heldout_prompts == stats.heldout_prompts
+    other, _ = pack(shards, tmp_path / "other", heldout_fraction=0.5, heldout_seed=4)
+    assert other.heldout_prompts != stats.heldout_prompts
+    # Repacked without a held-out share, the folder holds no stale held-out set.
+    pack(shards, tmp_path / "packed")
+    assert not (tmp_path / "packed" / "heldout").exists()
+    with pytest.raises(PackingError, match="every packed prompt .* is held out: lower heldout_fraction"):
+        pack_shards(shards, tmp_path / "all", PackingConfig(heldout_fraction=0.999999))
