@@ -7,8 +7,9 @@ The mask (jfcore.training.mask) needs only the streams; the losses need index
 pairs into the flattened [B * L] logits, computed here once on the host.
 
 Which logits count (a logit at a position predicts the next token of its stream):
-- AR: every clean-stream pair (prompt pairs, in-block pairs, and the bridge from
-  l_j's last token to l_{j+1}'s first) whose target is not past the response's
+- AR: every clean-stream pair (in-block pairs, the bridge from l_j's last token
+  to l_{j+1}'s first, the prompt's last token to l_0's first, and with
+  `ar_prompt` the prompt's own pairs) whose target is not past the response's
   first EOS. EOS inside the prompt (chat templates end turns with it) is ordinary.
 - Consistency: for block j with first mismatch d_j, offsets t in [d_j, m_j)
   (m_j its valid length) whose prediction is not past the first EOS either,
@@ -30,11 +31,13 @@ class PackedBatch:
     input_ids: torch.Tensor  # [B, L] long
     position_ids: torch.Tensor  # [B, L] long
     streams: torch.Tensor  # [B, L] int8: PAD / PROMPT / NOISY / CLEAN
+    blocks: torch.Tensor  # [B, L] int32: j for k_j and l_j (their padding too), -1 for the prompt and row padding
     ar_positions: torch.Tensor  # [A] flat indices into B*L whose logits are scored ...
     ar_targets: torch.Tensor  # [A] ... against these tokens
     student_positions: torch.Tensor  # [C] flat indices of noisy logits ...
     teacher_positions: torch.Tensor  # [C] ... and of the clean logits they learn from
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
+    pair_offsets: torch.Tensor  # [C] t - d_j: how far past its block's first wrong token the student's input reaches
     tokens: int  # real (non-PAD) tokens: what tokens/s counts
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -47,11 +50,12 @@ class PackedBatch:
 @dataclass
 class _Row:
     streams: list[int]
+    blocks: list[int]
     ar: list[tuple[int, int]]  # (position, target token)
-    pairs: list[tuple[int, int]]  # (student position, teacher position)
+    pairs: list[tuple[int, int, int]]  # (student position, teacher position, offset from the first mismatch)
 
 
-def _layout(row: dict, eos_token_id: int | None) -> _Row:
+def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
     """Streams and scored positions of one packed row (positions within the row)."""
     ids, P, n, T = row["input_ids"], row["prompt_length"], row["block_size"], row["num_blocks"]
     mismatch, valid = row["first_mismatch"], row["valid_lengths"]
@@ -60,56 +64,67 @@ def _layout(row: dict, eos_token_id: int | None) -> _Row:
             f"packed row {row.get('prompt_id')!r}: length {len(ids)} with P={P}, n={n}, T={T} "
             f"({len(mismatch)} mismatches, {len(valid)} valid lengths); the shard is not a packed shard, repack it"
         )
-    streams = [PROMPT] * P
+    streams, blocks = [PROMPT] * P, [-1] * P
     clean_positions = list(range(P))  # the clean stream, in order: prompt then each l_j's valid tokens
     response_start = P
     for j in range(T):
         m = valid[j]
         block = [NOISY] * m + [PAD] * (n - m)
         streams += block + [CLEAN if s == NOISY else PAD for s in block]
+        blocks += [j] * (2 * n)
         clean_positions += range(P + (2 * j + 1) * n, P + (2 * j + 1) * n + m)
     # Response index of the first EOS: targets beyond it are ignored.
     response = [ids[p] for p in clean_positions[response_start:]]
     eos_at = response.index(eos_token_id) if eos_token_id is not None and eos_token_id in response else len(response)
     last_target = response_start + eos_at  # index into clean_positions of the last scored target
-    ar = [(clean_positions[i], ids[clean_positions[i + 1]]) for i in range(min(len(clean_positions) - 1, last_target))]
+    first = 0 if ar_prompt else P - 1  # P - 1: the prompt's last token, which predicts the response's first
+    ar = [
+        (clean_positions[i], ids[clean_positions[i + 1]])
+        for i in range(first, min(len(clean_positions) - 1, last_target))
+    ]
     pairs, seen = [], P  # `seen`: response tokens before block j
     for j in range(T):
         noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
         for t in range(mismatch[j], valid[j]):
             if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
-                pairs.append((noisy + t, clean + t))
+                pairs.append((noisy + t, clean + t, t - mismatch[j]))
         seen += valid[j]
-    return _Row(streams, ar, pairs)
+    return _Row(streams, blocks, ar, pairs)
 
 
-def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None) -> PackedBatch:
-    """Right-pad packed rows into one batch with its loss indices."""
-    layouts = [_layout(r, eos_token_id) for r in rows]
+def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None, ar_prompt: bool = True) -> PackedBatch:
+    """Right-pad packed rows into one batch with its loss indices (`ar_prompt`: score the prompt's own next-token
+    pairs in L_AR too)."""
+    layouts = [_layout(r, eos_token_id, ar_prompt) for r in rows]
     B, L = len(rows), max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
-    ar_pos, ar_tgt, student, teacher, weights = [], [], [], [], []
+    blocks = torch.full((B, L), -1, dtype=torch.int32)
+    ar_pos, ar_tgt, student, teacher, weights, offsets = [], [], [], [], [], []
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
         position_ids[b, :width] = torch.tensor(row["position_ids"])
         streams[b, :width] = torch.tensor(lay.streams, dtype=torch.int8)
+        blocks[b, :width] = torch.tensor(lay.blocks, dtype=torch.int32)
         ar_pos += [b * L + p for p, _ in lay.ar]
         ar_tgt += [t for _, t in lay.ar]
-        student += [b * L + s for s, _ in lay.pairs]
-        teacher += [b * L + c for _, c in lay.pairs]
+        student += [b * L + s for s, _, _ in lay.pairs]
+        teacher += [b * L + c for _, c, _ in lay.pairs]
+        offsets += [k for _, _, k in lay.pairs]
         if lay.pairs:
             weights += [1.0 / (len(lay.pairs) * row["num_blocks"] * B)] * len(lay.pairs)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         streams=streams,
+        blocks=blocks,
         ar_positions=torch.tensor(ar_pos, dtype=torch.long),
         ar_targets=torch.tensor(ar_tgt, dtype=torch.long),
         student_positions=torch.tensor(student, dtype=torch.long),
         teacher_positions=torch.tensor(teacher, dtype=torch.long),
         pair_weights=torch.tensor(weights, dtype=torch.float32),
+        pair_offsets=torch.tensor(offsets, dtype=torch.long),
         tokens=int((streams != PAD).sum()),
     )

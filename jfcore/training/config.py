@@ -27,6 +27,28 @@ class LoraConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AcceptanceConfig:
+    """Acceptance measured on the packed data's held-out prompts while training (jfcore/training/acceptance.py):
+    before the first step, every `every` steps and after the last. Nothing is measured when packing held out no
+    prompts (packing.heldout_fraction)."""
+
+    every: int = 50  # optimizer steps between measurements; 0: never
+    block_sizes: tuple[int, ...] = ()  # block sizes of the simulated Jacobi decoding; empty: the trained one
+    prompts: int = 16  # held-out prompts measured (the first ones by id)
+    tokens: int = 64  # reference response tokens per prompt that the simulation decodes
+    decode: bool = True  # after the last step, decode the same prompts with the trained model and compare
+
+    def __post_init__(self) -> None:
+        check(self.every >= 0, f"AcceptanceConfig.every: must be >= 0, got {self.every}")
+        check(
+            all(n >= 2 for n in self.block_sizes),
+            f"AcceptanceConfig.block_sizes: Jacobi blocks are >= 2 tokens, got {self.block_sizes}",
+        )
+        check(self.prompts >= 1, f"AcceptanceConfig.prompts: must be >= 1, got {self.prompts}")
+        check(self.tokens >= 2, f"AcceptanceConfig.tokens: must be >= 2, got {self.tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: str  # a packing output folder (packed-*.parquet + stats.json)
     output_dir: str  # checkpoints/, metrics.jsonl and the exported final/ model
@@ -38,9 +60,17 @@ class TrainConfig:
     learning_rate: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
-    warmup_ratio: float = 0.03  # of all optimizer steps, then cosine decay to 0
+    warmup_ratio: float = 0.03  # of all optimizer steps, linear from 0
+    lr_schedule: Literal["cosine", "constant"] = "cosine"  # after warmup: cosine decay to 0, or the rate held
     max_grad_norm: float = 1.0  # 0 disables clipping
     ar_weight: float = 10.0  # lambda in L = L_pc + lambda * L_AR
+    # L_AR scores the response (the model's own greedy text) alone by default; true adds the prompt's next-token
+    # pairs, which teach the model its prompts rather than keep its own text (docs/TRAINING.md, "Losses").
+    ar_on_prompt: bool = False
+    # What a noisy block sees of the blocks before it (jfcore/training/mask.py): their noisy states ("noisy", the
+    # published mask, as a later block of multiblock decoding sees the drafts before it) or their fixed points
+    # ("clean", as a single Jacobi block sees its committed text).
+    noisy_context: Literal["noisy", "clean"] = "noisy"
     temperature: float = 1.0  # tau of the consistency loss
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
@@ -52,6 +82,7 @@ class TrainConfig:
     ] = ()  # also export a plain checkpoint to exports/step-N/ at these steps (learning curves)
     resume: bool = True  # continue from the newest complete checkpoint in output_dir; false discards them
     lora: LoraConfig | None = None  # train low-rank adapters only (needs peft); None: full fine-tuning
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

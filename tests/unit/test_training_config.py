@@ -30,9 +30,23 @@ def test_unknown_and_invalid_keys_are_named():
         ("precision", "fp8", "precision"),
         ("betas", [0.9], "betas"),
         ("export_steps", [10, 0], "export_steps"),
+        ("acceptance", {"every": -1}, "AcceptanceConfig.every: must be >= 0"),
+        ("acceptance", {"block_sizes": [8, 1]}, "Jacobi blocks are >= 2 tokens"),
+        ("acceptance", {"prompts": 0}, "AcceptanceConfig.prompts"),
+        ("acceptance", {"evry": 5}, "unknown key 'evry'.*did you mean 'every'"),
     ]:
         with pytest.raises(ConfigError, match=message):
             from_dict(TrainConfig, {"data": "d", "output_dir": "o", key: value})
+
+
+def test_acceptance_and_ar_settings_load_from_plain_data():
+    config = from_dict(
+        TrainConfig,
+        {"data": "d", "output_dir": "o", "ar_on_prompt": True, "acceptance": {"every": 20, "block_sizes": [4, 8]}},
+    )
+    assert config.ar_on_prompt and config.acceptance.every == 20 and config.acceptance.block_sizes == (4, 8)
+    default = TrainConfig(data="d", output_dir="o")
+    assert not default.ar_on_prompt and default.acceptance.every > 0 and default.acceptance.block_sizes == ()
 
 
 def test_deepspeed_file_may_not_set_what_the_training_config_owns():

@@ -102,3 +102,22 @@ def test_total_is_consistency_plus_lambda_times_ar():
     torch.testing.assert_close(losses.ar, ar.detach())
     torch.testing.assert_close(losses.total, losses.consistency + 10.0 * ar)
     assert losses.consistency.item() > 0
+
+
+def test_ar_without_the_prompt_keeps_the_step_into_the_response():
+    prompt = [1, 7, 5]
+    blocks = [([6, 9, 9], [6, 3, 4]), ([8, 9], [8, 4])]
+    both = collate([row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS)
+    response_only = collate([row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS, ar_prompt=False)
+    # clean stream: prompt 0..2, l_0 at 6..8, l_1 at 12..13: the prompt's last token (2) predicts l_0's first
+    assert both.ar_positions.tolist() == [0, 1, 2, 6, 7, 8, 12]
+    assert response_only.ar_positions.tolist() == [2, 6, 7, 8, 12]
+    assert response_only.ar_targets.tolist() == both.ar_targets.tolist()[2:] == [6, 3, 4, 8, 4]
+    assert torch.equal(response_only.student_positions, both.student_positions)
+
+
+def test_pair_offsets_count_from_each_blocks_first_mismatch():
+    blocks = [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])]
+    batch = collate([row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
+    assert batch.student_positions.tolist() == [3, 4, 5, 12, 13]
+    assert batch.pair_offsets.tolist() == [0, 1, 2, 0, 1]

@@ -43,15 +43,15 @@ def plain_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens])).logits[0]
 
 
-def packed_logits(model, rows: list[dict], attn: str = "sdpa") -> tuple[torch.Tensor, int]:
+def packed_logits(model, rows: list[dict], attn: str = "sdpa", context: str = "noisy") -> tuple[torch.Tensor, int]:
     batch = collate(rows, pad_token_id=0, eos_token_id=None)
-    mask = attention_mask(batch.streams, attn, torch.float32)
+    mask = attention_mask(batch.streams, attn, torch.float32, batch.blocks, context)
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False)
     return out.logits, batch.input_ids.shape[1]
 
 
-def assert_streams_match(model, rows, noisy_clean, logits) -> None:
+def assert_streams_match(model, rows, noisy_clean, logits, context: str = "noisy") -> None:
     for b, (row, (noisy, clean)) in enumerate(zip(rows, noisy_clean)):
         P, prompt = row["prompt_length"], row["input_ids"][: row["prompt_length"]]
         clean_plain = plain_logits(model, prompt + [t for l in clean for t in l])
@@ -62,7 +62,8 @@ def assert_streams_match(model, rows, noisy_clean, logits) -> None:
             torch.testing.assert_close(
                 logits[b, start + N : start + N + len(l)], clean_plain[done : done + len(l)], atol=1e-5, rtol=1e-5
             )
-            noisy_plain = plain_logits(model, prompt + [t for kk in noisy[: j + 1] for t in kk])
+            before = noisy[:j] if context == "noisy" else clean[:j]  # what k_j sees of the blocks before it
+            noisy_plain = plain_logits(model, prompt + [t for kk in before for t in kk] + k)
             torch.testing.assert_close(logits[b, start : start + len(k)], noisy_plain[-len(k) :], atol=1e-5, rtol=1e-5)
             done += len(l)
 
@@ -84,6 +85,21 @@ def test_padded_batch_keeps_every_row_exact(arch):
     rows = [r for r, _, _ in made]
     logits, _ = packed_logits(model, rows)
     assert_streams_match(model, rows, [(k, l) for _, k, l in made], logits)
+
+
+def test_clean_context_noisy_blocks_see_the_fixed_points_before_them():
+    """noisy_context: clean: k_j's logits are a plain forward over the prompt, l_<j and k_j; the clean stream is
+    unchanged."""
+    model = tiny_model("llama", seed=3)
+    specs = [(5, [N, N, 2]), (3, [N])]
+    made = [packed_row(seed=20 + i, P=P, valid=v) for i, (P, v) in enumerate(specs)]
+    rows = [r for r, _, _ in made]
+    logits, _ = packed_logits(model, rows, context="clean")
+    assert_streams_match(model, rows, [(k, l) for _, k, l in made], logits, context="clean")
+    noisy, _ = packed_logits(model, rows)
+    assert not torch.allclose(noisy[0], logits[0])  # the two contexts really differ (the first row has 3 blocks)
+    with pytest.raises(ValueError, match="needs each token's block"):
+        attention_mask(collate(rows, 0, None).streams, "sdpa", torch.float32, context="clean")
 
 
 def test_eager_attention_takes_the_same_mask():
@@ -115,15 +131,16 @@ def test_mask_rule_by_hand():
     assert torch.equal(additive == 0, table)
 
 
-def test_block_mask_has_the_dense_rule():
+@pytest.mark.parametrize("context", ["noisy", "clean"])
+def test_block_mask_has_the_dense_rule(context):
     rows = [packed_row(seed=7, P=5, valid=[N, N, 3])[0], packed_row(seed=8, P=2, valid=[N])[0]]
-    streams = collate(rows, 0, None).streams
-    bm = block_mask(streams)
-    L = streams.shape[1]
+    batch = collate(rows, 0, None)
+    bm = block_mask(batch.streams, batch.blocks, context)
+    L = batch.streams.shape[1]
     q, k = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
     for b in range(2):
         evaluated = bm.mask_mod(torch.tensor(b), torch.tensor(0), q, k)
-        assert torch.equal(evaluated, allowed(streams)[b])
+        assert torch.equal(evaluated, allowed(batch.streams, batch.blocks, context)[b])
 
 
 def test_flex_attention_forward_equals_plain_forwards():
