@@ -9,6 +9,8 @@ the trajectory shards and timings.jsonl (seconds per stage the flow ran). What i
   steps so far, and per benchmark and method: TPF, speedup over the point's own HF greedy
   (measured side by side), accuracy, exactness, the first token that differs from greedy,
   and the decoder's own overhead (share of decode time outside model forwards);
+- acceptance on the held-out prompts while training (acceptance.jsonl): simulated TPF and noisy accuracy
+  against training tokens, and the decoded check after the last step;
 - throughput: trajectory tokens/s, training tokens/s (and MFU on a known accelerator);
 - the final side-by-side evaluation and the float32 exactness check, when run.
 """
@@ -27,6 +29,7 @@ import pyarrow.parquet as pq
 from flows.recipe import Recipe, load_recipe
 from jfcore.config import ConfigError, apply_overrides, load_file
 from jfcore.contracts import (
+    ACCEPTANCE,
     ALL,
     CURVE,
     EVALUATION,
@@ -139,6 +142,7 @@ def training_figures(plan: StagePlan, peak_flops: float | None) -> dict:
         "steps": len(rows),
         "tokens_by_step": [r["tokens"] for r in rows],
         "loss": [[r["step"], r["loss"], r["ar_loss"], r["consistency_loss"]] for r in rows],
+        "acceptance": read_metrics(run / ACCEPTANCE),
     }
     if rows:
         rates = sorted(r["tokens_per_second"] for r in rows[1:] or rows)
@@ -285,6 +289,7 @@ def markdown(
                 tpf = {r["method"]: r["tpf"] for r in curve if r["point"] == point and r["benchmark"] == b}
                 cells.append(" / ".join(f"{tpf[m]:.3f}" for m in PARALLEL if m in tpf))
             lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    lines += acceptance_lines(training)
     for title, key in (
         ("Final evaluation: base vs trained, side by side", "final"),
         ("Float32 exactness check", "fp32_check"),
@@ -293,6 +298,77 @@ def markdown(
             report = Path(evaluation[key]["report"]) / "results.md"
             lines += ["", f"## {title}", "", report.read_text().strip() if report.is_file() else "(missing)"]
     return "\n".join(lines) + "\n"
+
+
+def acceptance_lines(training: dict) -> list[str]:
+    """The held-out acceptance each stage measured while training, and its decoded check."""
+    lines = []
+    for stage, figures in training.items():
+        records = figures.get("acceptance") or []
+        measured = [r for r in records if not r.get("decoded")]
+        if not measured:
+            continue
+        names = sorted({k for r in measured for k in r if k.startswith("heldout/")})
+        lines += [
+            "",
+            f"## Acceptance on held-out prompts while training ({stage})",
+            "",
+            "| step | training tokens | " + " | ".join(n.removeprefix("heldout/") for n in names) + " |",
+            "|---:|---:|" + "---:|" * len(names),
+        ]
+        for r in measured:
+            cells = [f"{r[n]:.3f}" if n in r else "-" for n in names]
+            lines.append(f"| {r['step']} | {r['tokens']:,} | " + " | ".join(cells) + " |")
+        for r in records:
+            if r.get("decoded"):
+                shown = ", ".join(
+                    f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in r.items() if k.startswith("heldout/")
+                )
+                lines += ["", f"Decoded by the exported model on the same prompts: {shown}."]
+    return lines
+
+
+def plot_acceptance(training: dict, path: Path) -> bool:
+    """Simulated TPF per block size and noisy accuracy against training tokens, the stages of a curriculum one
+    after another; False when no stage measured any."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    tpf_ax, acc_ax = fig.subplots(1, 2)
+    before, drawn = 0, False
+    for i, (stage, figures) in enumerate(training.items()):
+        measured = [r for r in figures.get("acceptance") or [] if not r.get("decoded")]
+        xs = [before + r["tokens"] for r in measured]
+        for j, name in enumerate(sorted({k for r in measured for k in r if k.startswith("heldout/simulated_tpf")})):
+            ys = [r.get(name) for r in measured]
+            tpf_ax.plot(
+                xs,
+                ys,
+                marker="o",
+                color=f"C{j}",
+                ls=("-", "--", ":")[i % 3],
+                label=f"{stage} {name.removeprefix('heldout/simulated_tpf_')}",
+            )
+        acc_ax.plot(
+            xs, [r.get("heldout/noisy_accuracy") for r in measured], marker="o", color="C0", label=f"{stage} all"
+        )
+        acc_ax.plot(
+            xs,
+            [r.get("heldout/noisy_accuracy_at_0") for r in measured],
+            marker="s",
+            color="C1",
+            label=f"{stage} offset 0",
+        )
+        before += sum(figures.get("tokens_by_step", []))
+        drawn = drawn or bool(measured)
+    tpf_ax.set(title="held-out simulated Jacobi TPF", xlabel="training tokens", ylabel="tokens per forward")
+    acc_ax.set(title="held-out noisy accuracy", xlabel="training tokens", ylabel="argmax = fixed point")
+    for ax in (tpf_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if drawn:
+        fig.savefig(path, dpi=120)
+    return drawn
 
 
 def _benchmarks(curve: list[dict]) -> list[str]:
@@ -376,6 +452,7 @@ def write_report(source: str, overrides: list[str], peak_flops: float | None = N
     }
     (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (folder / "results.md").write_text(markdown(recipe, source, command, curve, phases, training, evaluation, env))
+    plot_acceptance(training, folder / "acceptance_vs_training_tokens.png")
     if curve:
         plot_curve(curve, folder / "tpf_vs_training_tokens.png")
         plot_speed_accuracy(curve, folder / "speedup_vs_accuracy.png")

@@ -43,7 +43,7 @@ from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint,
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
 from tasks.cli import stage_main
-from tasks.orchestration import get_run_logger, markdown_artifact, progress_artifact, task
+from tasks.orchestration import Progress, get_run_logger, markdown_artifact, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import (
     DataInput,
@@ -100,7 +100,7 @@ def run_evaluation(
     ray_config: RayConfig | None = None,
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> EvaluationResult:
     """Evaluate (or finish evaluating) every model on every benchmark; returns the table and where it is."""
     ray_config, tracking = ray_config or RayConfig(), tracking or TrackingConfig()

@@ -30,25 +30,27 @@ except ModuleNotFoundError:
         return logging.getLogger("jacobi_forcing")
 
 
-Progress = Callable[[int, int], None]  # (done, total) of a long stage's work
+Progress = Callable[..., None]  # (done, total, note=None) of a long stage's work; the note: its latest figures
 
 
 def progress_artifact(stage: str) -> Progress | None:
-    """A Prefect progress artifact (`<stage>-progress`, in the flow run's Artifacts tab), updated with (done, total).
-    Made at the first report, so a stage that had nothing to do shows none. None without Prefect."""
+    """A Prefect progress artifact (`<stage>-progress`, in the flow run's Artifacts tab), updated with (done, total)
+    and a note for its description (training: the latest held-out acceptance). Made at the first report, so a stage
+    that had nothing to do shows none. None without Prefect."""
     if not PREFECT:
         return None
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     artifact = None
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, note: str | None = None) -> None:
         nonlocal artifact
         percent = 100.0 * done / max(total, 1)
+        description = f"{stage}: work done" + (f"; {note}" if note else "")
         if artifact is None:
-            artifact = create_progress_artifact(percent, key=f"{stage}-progress", description=f"{stage}: work done")
+            artifact = create_progress_artifact(percent, key=f"{stage}-progress", description=description)
         else:
-            update_progress_artifact(artifact, percent)
+            update_progress_artifact(artifact, percent, description=description if note else None)
 
     return update
 

@@ -52,7 +52,7 @@ from jfcore.training.data import TrainingDataError, packing_stats
 from jfcore.training.loop import PROGRESS_LINE, deepspeed_config
 from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
-from tasks.orchestration import get_run_logger, progress_artifact, task
+from tasks.orchestration import Progress, get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
 from tasks.tracking import (
     TrackingConfig,
@@ -146,7 +146,7 @@ def run_training(
     launch: LaunchConfig | None = None,
     tracking: TrackingConfig | None = None,
     log: Callable[[str], None] = print,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> TrainingResult:
     """Train (or resume) to the end and export; returns where the model is and what MLflow holds."""
     launch, tracking = launch or LaunchConfig(), tracking or TrackingConfig()
@@ -194,7 +194,7 @@ def run_training(
 
 
 def _join(
-    train: TrainConfig, launch: LaunchConfig, log: Callable[[str], None], progress: Callable[[int, int], None] | None
+    train: TrainConfig, launch: LaunchConfig, log: Callable[[str], None], progress: Progress | None
 ) -> TrainingResult:
     """Another node of a multi-node job: wait for node 0's launch file (the shared settings), then run this
     node's processes. Node 0 keeps the books, so this returns no MLflow record."""
@@ -236,9 +236,7 @@ def clear_stale_build_locks(extensions_dir: Path, log: Callable[[str], None]) ->
                 log(f"removed {lock}: left {age / 60:.0f} minutes ago by a compile that was killed")
 
 
-def _launch(
-    launch_file: Path, launch: LaunchConfig, log: Callable[[str], None], progress: Callable[[int, int], None] | None
-) -> None:
+def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None], progress: Progress | None) -> None:
     gpus = torch.cuda.device_count()
     processes = launch.processes or gpus or 2
     env = dict(os.environ)
@@ -297,7 +295,12 @@ def _launch(
                     tail.append(line.rstrip())
                 log(line.rstrip())
                 if progress and (step := PROGRESS_LINE.match(line)):
-                    progress(int(step["done"]), int(step["total"]))
+                    note = (
+                        line.split("held-out ", 1)[1].removeprefix("acceptance: ").strip()
+                        if "held-out " in line
+                        else None
+                    )
+                    progress(int(step["done"]), int(step["total"]), note)
         code = proc.wait()
     finally:
         if timer:
@@ -356,7 +359,7 @@ def training_stage(
     run: bool = True,
     resume: bool = True,
     log: Callable[[str], None] = print,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> TrainingResult:
     """Train the stage's model on `data` (a packed folder) into `training/<key>`, reusing a finished run whose
     export verifies; `resume` false starts a new `training/<key>.<n>`. Skipped (`run` false), the newest run

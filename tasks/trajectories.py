@@ -33,7 +33,7 @@ from jfcore.models import (
 from jfcore.prompts import BUILTIN, PromptSet, PromptSource, builtin_prompts_path, encode_prompts
 from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
 from jfcore.trajectories import TrajectoryConfig, decode_trajectories
-from tasks.orchestration import get_run_logger, progress_artifact, task
+from tasks.orchestration import Progress, get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import DataInput, TrackingConfig, record_stage
@@ -79,7 +79,7 @@ def generate_trajectories(
     out_dir: str | Path,
     prompts_per_shard: int = 64,
     log: Callable[[str], None] = print,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Decode the prompts the store does not hold yet; returns the prompt set's selection file."""
     tokenizer = load_tokenizer(model)

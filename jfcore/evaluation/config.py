@@ -12,7 +12,7 @@ from jfcore.models import ModelConfig
 
 # hf_greedy: the reference; hf_prompt_lookup: HF's prompt-lookup decoding (the untrained baseline to beat);
 # jacobi, multiblock: the fixed settings below; tuned: the model's tuned decoding for this machine (jfcore.metadata).
-MethodName = Literal["hf_greedy", "hf_prompt_lookup", "jacobi", "multiblock", "tuned"]
+MethodName = Literal["hf_greedy", "hf_prompt_lookup", "ar", "jacobi", "multiblock", "tuned"]
 REFERENCE = "hf_greedy"  # every other method's output is compared with this one's, model by model
 
 
@@ -51,7 +51,10 @@ class DecodingSettings:
             self.decode_config(method)  # DecodeConfig checks the values (block_size >= 1, ...)
 
     def decode_config(self, method: str) -> dict:
-        """Keyword arguments of `DecodeConfig` for a fixed method (the token budget aside)."""
+        """Keyword arguments of `DecodeConfig` for a fixed method (the token budget aside); "ar" is the project's own
+        one-token-per-forward decoding, the baseline a parallel method's speedup is over in the same engine."""
+        if method == "ar":
+            return {"method": "ar"}
         shared = {"method": method, "block_size": self.block_size}
         if method == "multiblock":
             shared |= {k: getattr(self, k) for k in ("num_blocks", "pool_size", "spawn_ratio", "ngram_size")}

@@ -6,6 +6,7 @@
       final/                      the exported model: a plain HF checkpoint, its tokenizer, jacobi_forcing.json
       export.json                 checksums of final/'s files (the training stage writes them once it is done)
       metrics.jsonl               one record per optimizer step
+      acceptance.jsonl            one record per acceptance measurement on the held-out prompts
       deepspeed_config.json       the DeepSpeed config the engine ran with
       failure-rank<N>.txt         why a training process stopped
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from jfcore.atomic import atomic_write, fsync_dir, fsync_tree
 from jfcore.contracts import (
+    ACCEPTANCE,
     CHECKPOINTS,
     COMPLETE,
     DEEPSPEED_CONFIG,
@@ -70,10 +72,11 @@ def begin(out: Path, deepspeed_config: dict, start: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / DEEPSPEED_CONFIG, lambda tmp: tmp.write_text(json.dumps(deepspeed_config, indent=2)))
     _truncate_metrics(out / METRICS, start)
+    _truncate_metrics(out / ACCEPTANCE, start)
 
 
-def append_metrics(out: Path, step: int, metrics: dict) -> None:
-    with open(out / METRICS, "a") as f:
+def append_metrics(out: Path, step: int, metrics: dict, name: str = METRICS) -> None:
+    with open(out / name, "a") as f:
         f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import get_cosine_schedule_with_warmup
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from jfcore.config import ConfigError, replace_checked, to_dict
+from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
 from jfcore.models import load_model, tokenizer_fingerprint
-from jfcore.training import checkpoints
+from jfcore.training import acceptance, checkpoints
 from jfcore.training.batch import collate
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder, PackedData, TrainingDataError
@@ -92,6 +93,7 @@ class Trainer:
     bf16: bool
     total: int  # optimizer steps of the whole run
     deepspeed_config: dict
+    heldout: list[dict]  # the held-out packed rows acceptance is measured on (empty: not measured)
 
     @property
     def schedule(self) -> dict:
@@ -130,6 +132,7 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     if config.lora is not None:
         model = with_lora(model, config.lora)
     data = PackedData(config.data, tokenizer_fingerprint(tokenizer))
+    heldout = _heldout_rows(config, tokenizer_fingerprint(tokenizer))
     order = DataOrder(len(data), config.micro_batch_size, world, config.gradient_accumulation_steps, config.seed)
     if order.steps_per_epoch == 0:
         raise TrainingDataError(
@@ -147,10 +150,25 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
         betas=config.betas,
         weight_decay=config.weight_decay,
     )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(config.warmup_ratio * total), total)
+    warmup = math.ceil(config.warmup_ratio * total)
+    if config.lr_schedule == "constant":
+        scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
+    else:
+        scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    return Trainer(config, engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config)
+    return Trainer(
+        config, engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config, heldout
+    )
+
+
+def _heldout_rows(config: TrainConfig, tokenizer_fingerprint: str) -> list[dict]:
+    """The first `acceptance.prompts` held-out packed rows (by prompt id), or none when not measured."""
+    folder = Path(config.data) / HELDOUT
+    if not config.acceptance.every or not folder.is_dir():
+        return []
+    heldout = PackedData(folder, tokenizer_fingerprint)
+    return heldout.take(list(range(min(len(heldout), config.acceptance.prompts))))
 
 
 def train_step(t: Trainer, step: int) -> dict:
@@ -162,8 +180,9 @@ def train_step(t: Trainer, step: int) -> dict:
     tokens = 0
     for micro in range(config.gradient_accumulation_steps):
         rows = t.data.take(t.order.rows(step, micro, t.rank))
-        batch = collate(rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id).to(device)
-        mask = attention_mask(batch.streams, t.attn, torch.bfloat16 if t.bf16 else torch.float32)
+        batch = collate(rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id, config.ar_on_prompt).to(device)
+        dtype = torch.bfloat16 if t.bf16 else torch.float32
+        mask = attention_mask(batch.streams, t.attn, dtype, batch.blocks, config.noisy_context)
         logits = engine(
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
         ).logits
@@ -207,14 +226,21 @@ def train(
 
     metrics: dict = {}
     progress = _Progress(start, t.total) if t.rank == 0 else None
+    seen = sum(r.get("tokens", 0) for r in checkpoints.read_metrics(out / METRICS)) if t.rank == 0 else 0
+    measured: dict = {}  # the latest held-out figures
+    if start == 0:
+        measured = _measure_acceptance(t, 0, seen, on_metrics, progress)
     for step in range(start, t.total):
         metrics = train_step(t, step)
         done = step + 1
         if t.rank == 0:
+            seen += metrics["tokens"]
             checkpoints.append_metrics(out, done, metrics)
             if on_metrics is not None:
                 on_metrics(done, metrics)
             progress.report(done, metrics)
+        if done == t.total or (config.acceptance.every and done % config.acceptance.every == 0):
+            measured = _measure_acceptance(t, done, seen, on_metrics, progress)
         if done in config.export_steps:  # checkpointed too, so a resume never starts past a missing export
             checkpoints.export(t.engine, t.tokenizer, checkpoints.export_dir(out, done), t.export_metadata(done))
         if done % config.checkpoint_every == 0 or done == t.total or done in config.export_steps:
@@ -229,8 +255,85 @@ def train(
     dist.barrier()
     if not exported:
         checkpoints.export(t.engine, t.tokenizer, final, t.export_metadata(t.total))
+        if t.rank == 0 and t.heldout and config.acceptance.decode:
+            _decoded_check(t, final, measured, on_metrics)
     dist.barrier()
     return TrainResult(final_dir=final, steps=t.total, resumed_from=start, last_metrics=metrics)
+
+
+def _block_sizes(t: Trainer) -> tuple[int, ...]:
+    return t.config.acceptance.block_sizes or (t.data.block_size,)
+
+
+def _measure_acceptance(
+    t: Trainer, step: int, tokens: int, on_metrics: Callable[[int, dict], None] | None, progress: _Progress | None
+) -> dict:
+    """Every rank measures its share of the held-out prompts together; rank 0 records the figures, prints them and
+    keeps them for its progress lines. Returns them (empty when nothing is measured)."""
+    if not t.heldout:
+        return {}
+    began = time.perf_counter()
+    ranks = acceptance.Ranks(t.rank, t.world, t.device)
+    figures = acceptance.measure(
+        t.engine.module,
+        t.heldout,
+        _block_sizes(t),
+        t.config.acceptance.tokens,
+        t.tokenizer.pad_token_id,
+        t.tokenizer.eos_token_id,
+        t.attn,
+        ranks,
+        seed=t.config.seed,
+        context=t.config.noisy_context,
+    )
+    if t.rank == 0:
+        metrics = figures.metrics()
+        record = {"tokens": tokens, "seconds": time.perf_counter() - began, **metrics}
+        checkpoints.append_metrics(Path(t.config.output_dir), step, record, ACCEPTANCE)
+        if on_metrics is not None:
+            on_metrics(step, metrics)
+        progress.acceptance = figures.summary()
+        print(f"step {step}/{t.total}: held-out acceptance: {progress.acceptance}", flush=True)
+    return figures.metrics()
+
+
+def _decoded_check(t: Trainer, final: Path, simulated: dict, on_metrics: Callable[[int, dict], None] | None) -> None:
+    """Rank 0, after the export: decode the measured held-out prompts with the exported model, prompt lookup off,
+    and record its TPF: Jacobi beside the last simulated figure, so a run says how far the simulation is off, and
+    multiblock (2 blocks in flight, recycled n-grams), whose next block is already drafted when one ends."""
+    from jfcore.decoding import DecodeConfig, decode
+    from jfcore.models import ModelConfig
+
+    model, _ = load_model(ModelConfig(name_or_path=str(final), device=str(t.device)))
+    examples = acceptance.examples(t.heldout)
+    prompts, tokens = [e.prompt for e in examples], t.config.acceptance.tokens
+    metrics = {}
+    for n in _block_sizes(t):
+        for method, name in (("jacobi", "decoded_tpf"), ("multiblock", "decoded_multiblock_tpf")):
+            config = DecodeConfig(
+                method=method,
+                block_size=n,
+                ngram_size=max(n, 2),
+                max_new_tokens=tokens,
+                seed=t.config.seed,
+            )
+            out = decode(model, prompts, config)
+            metrics[f"heldout/{name}_n{n}"] = out.stats.tpf
+    # Lossless decoding returns the model's greedy text: the share of prompts where it is still the text the model
+    # was trained on (the trajectories' fixed points), a cheap sign of how far training moved the model's answers.
+    same = sum(o == e.response[:tokens] for o, e in zip(out.sequences, examples))
+    metrics["heldout/greedy_unchanged"] = same / len(examples)
+    checkpoints.append_metrics(Path(t.config.output_dir), t.total, {"decoded": True, **metrics}, ACCEPTANCE)
+    if on_metrics is not None:
+        on_metrics(t.total, metrics)
+    shown = ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in metrics.items())
+    print(f"step {t.total}/{t.total}: held-out, decoded by the exported model: {shown}", flush=True)
+    for n in _block_sizes(t):
+        guess, real = simulated.get(f"heldout/simulated_tpf_n{n}"), metrics[f"heldout/decoded_tpf_n{n}"]
+        if guess:
+            print(
+                f"  n{n}: simulated TPF {guess:.3f}, decoded {real:.3f} ({100 * (guess / real - 1):+.1f}%)", flush=True
+            )
 
 
 class _Progress:
@@ -240,6 +343,7 @@ class _Progress:
 
     def __init__(self, start: int, total: int):
         self.start, self.total, self.done = start, total, start
+        self.acceptance: str | None = None  # the latest held-out measurement, repeated on each line
         self.began = self.last = time.perf_counter()
         self.lock, self.stopped = threading.Lock(), threading.Event()
         threading.Thread(target=self._heartbeat, name="progress-heartbeat", daemon=True).start()
@@ -253,7 +357,8 @@ class _Progress:
             print(
                 f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
                 f"{metrics['consistency_loss']:.3f}), lr {metrics['learning_rate']:.2e}, "
-                f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {self._eta(now) / 60:.1f} min",
+                f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {self._eta(now) / 60:.1f} min"
+                + (f"; held-out {self.acceptance}" if self.acceptance else ""),
                 flush=True,
             )
 

@@ -32,7 +32,7 @@ from tests.support.flow_stack import (
 )
 from tests.support.tiny_models import save_tiny_checkpoint
 
-STEPS = 600  # 12 sequences, 2 processes x micro batch 2: 3 steps an epoch; long enough to be cancelled midway
+STEPS = 600  # 9 sequences, 2 processes x micro batch 2: 2 steps an epoch; long enough to be cancelled midway
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,14 @@ def recipe(stack) -> Path:
                 "trajectories": {"block_size": 4, "max_new_tokens": 12, "batch_size": 4},
                 "prompts_per_shard": 4,
                 "ray": {"num_workers": 2},
+                "packing": {"heldout_fraction": 0.2},  # prompts 2, 3 and 9 (the hash of their ids)
                 "training": {
                     "max_steps": STEPS,
                     "epochs": 200,
                     "micro_batch_size": 2,
                     "learning_rate": 2.0e-3,
                     "checkpoint_every": 25,
+                    "acceptance": {"every": 100, "block_sizes": [4]},
                 },
                 "launch": {"processes": 2, "threads_per_process": 1},
                 "tuning": TINY_TUNE,
@@ -144,6 +146,9 @@ def test_progress_is_logged_with_an_eta_and_shown_as_artifacts(stack, two_runs):
         )
     progress = {(str(a.flow_run_id), a.key): a.data for a in artifacts if a.type == "progress"}
     assert progress[(two_runs["second"], "training-progress")] == 100.0
+    # The training artifact carries the held-out acceptance the training stage measured last.
+    described = {(str(a.flow_run_id), a.key): a.description for a in artifacts if a.type == "progress"}
+    assert re.search(r"simulated TPF n4 [\d.]+, noisy accuracy", described[(two_runs["second"], "training-progress")])
     assert progress[(two_runs["second"], "evaluation-progress")] == 100.0
     assert 0 < progress[(two_runs["first"], "training-progress")] < 100.0  # where the cancelled run stopped
     assert progress[(two_runs["first"], "trajectories-progress")] == 100.0

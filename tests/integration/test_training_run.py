@@ -19,8 +19,9 @@ from jfcore.config import ConfigError, replace_checked
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, ModelLoadError
-from jfcore.training.checkpoints import complete_checkpoints
-from jfcore.training.config import TrainConfig
+from jfcore.packing import PackingConfig
+from jfcore.training.checkpoints import complete_checkpoints, read_metrics
+from jfcore.training.config import AcceptanceConfig, TrainConfig
 from jfcore.training.data import TrainingDataError
 from tasks.tracking import TrackingConfig, client
 from tasks.training import LaunchConfig, TrainingFailed, TrainingResult, run_training
@@ -30,14 +31,18 @@ from tests.support.training_data import packed_data
 from tests.support.training_jobs import CURVE, curve, kill_rank_1_at
 
 STEPS = 12  # 16 sequences, 2 processes x micro batch 2: 4 steps an epoch, 3 epochs
+# 20 prompts, of which this seed's hash holds out 4 (p4, p7, p15, p16): 16 to train on, 4 to measure acceptance on
+HELDOUT = PackingConfig(heldout_fraction=0.2, heldout_seed=4)
+ACCEPTANCE = AcceptanceConfig(every=4, block_sizes=(2, 4), prompts=4, tokens=12)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("training")
     checkpoint = save_tiny_checkpoint(root / "base", initializer_range=0.3)
+    data = packed_data(checkpoint, root, prompts=20, heldout=HELDOUT)
     with mlflow_server(root / "mlflow") as uri:
-        yield {"root": root, "checkpoint": checkpoint, "data": packed_data(checkpoint, root), "mlflow": uri}
+        yield {"root": root, "checkpoint": checkpoint, "data": data, "mlflow": uri}
 
 
 def config(setup, name: str, **changes) -> TrainConfig:
@@ -51,6 +56,7 @@ def config(setup, name: str, **changes) -> TrainConfig:
         "warmup_ratio": 0.1,
         "checkpoint_every": 4,
         "keep_checkpoints": 3,
+        "acceptance": ACCEPTANCE,
     }
     return TrainConfig(**(values | changes))
 
@@ -134,6 +140,36 @@ def test_loss_falls_and_every_metric_is_logged(setup, uninterrupted):
     assert {f"training/{name}" for name in logged} <= artifacts
     version = mlflow.get_model_version("jf-tiny", uninterrupted.version)
     assert version.run_id == run.info.run_id
+
+
+def test_acceptance_is_measured_on_the_heldout_prompts_and_logged(setup, uninterrupted):
+    stats = json.loads((setup["data"] / "stats.json").read_text())
+    assert stats["sequences"] == 16 and sorted(stats["heldout_prompts"]) == ["p15", "p16", "p4", "p7"]
+    records = read_metrics(Path(uninterrupted.folder) / "acceptance.jsonl")
+    measured, decoded = records[:-1], records[-1]
+    # Before the first step, every 4 steps and after the last; the two ranks' shares summed (4 prompts, 12 tokens).
+    assert [r["step"] for r in measured] == [0, 4, 8, 12] and decoded["step"] == STEPS and decoded["decoded"]
+    steps = curve(uninterrupted.folder)
+    assert [r["tokens"] for r in measured] == [sum(s["tokens"] for s in steps[:k]) for k in (0, 4, 8, 12)]
+    for r in measured:
+        for n in (2, 4):  # 48 tokens in at least 48 / n forwards and at most 48
+            assert 1.0 <= r[f"heldout/simulated_tpf_n{n}"] <= n
+        assert 0.0 <= r["heldout/noisy_accuracy"] <= 1.0 and "heldout/noisy_accuracy_at_0" in r
+    assert {f"heldout/decoded_tpf_n{n}" for n in (2, 4)} <= set(decoded) and 0 <= decoded[
+        "heldout/greedy_unchanged"
+    ] <= 1
+    mlflow = client(tracking(setup, "whole"))
+    history = mlflow.get_metric_history(uninterrupted.mlflow_run_id, "heldout/simulated_tpf_n4")
+    assert sorted((m.step, m.value) for m in history) == [
+        (r["step"], pytest.approx(r["heldout/simulated_tpf_n4"])) for r in measured
+    ]
+    final = mlflow.get_metric_history(uninterrupted.mlflow_run_id, "heldout/decoded_multiblock_tpf_n4")
+    assert [(m.step, m.value) for m in final] == [(STEPS, pytest.approx(decoded["heldout/decoded_multiblock_tpf_n4"]))]
+    lines = (Path(uninterrupted.folder) / "launch.log").read_text().splitlines()
+    assert any(
+        re.search(r"step 8/12: held-out acceptance: simulated TPF n2 [\d.]+, simulated TPF n4", line) for line in lines
+    )
+    assert any(re.search(r"step 12/12: loss .*; held-out simulated TPF n2", line) for line in lines)
 
 
 def test_registered_model_loads_from_mlflow_and_decodes_like_generate(setup, uninterrupted):

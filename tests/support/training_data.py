@@ -13,9 +13,16 @@ from jfcore.trajectories import TrajectoryConfig, decode_trajectories
 
 
 def packed_data(
-    checkpoint: Path, out: Path, prompts: int = 16, block_size: int = 4, max_new_tokens: int = 12, seed: int = 0
+    checkpoint: Path,
+    out: Path,
+    prompts: int = 16,
+    block_size: int = 4,
+    max_new_tokens: int = 12,
+    seed: int = 0,
+    heldout: PackingConfig | None = None,
 ) -> Path:
-    """Decode `prompts` random word prompts with `checkpoint` and pack them into `out`."""
+    """Decode `prompts` random word prompts (ids p0, p1, ...) with `checkpoint` and pack them into `out`; `heldout`:
+    the packing settings that hold some of them out."""
     model, tokenizer = load_model(ModelConfig(name_or_path=str(checkpoint)))
     rng = random.Random(seed)
     vocab = len(tokenizer) - 3
@@ -34,5 +41,12 @@ def packed_data(
     shard = out / "trajectories" / "shard-00000.parquet"
     shard.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, shard)
-    pack_shards([shard], out / "packed", PackingConfig(pad_token_id=tokenizer.pad_token_id))
+    config = PackingConfig(pad_token_id=tokenizer.pad_token_id)
+    if heldout is not None:
+        config = PackingConfig(
+            pad_token_id=tokenizer.pad_token_id,
+            heldout_fraction=heldout.heldout_fraction,
+            heldout_seed=heldout.heldout_seed,
+        )
+    pack_shards([shard], out / "packed", config)
     return out / "packed"
