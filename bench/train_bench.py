@@ -34,6 +34,7 @@ from tasks.trajectories import RayConfig, generate_trajectories
 # name -> (processes, threads per process, DeepSpeed config, gradient checkpointing, precision)
 SETTINGS = {
     "1proc_zero0": (1, 2, "zero0", False, "float32"),
+    "1proc_zero0_bf16": (1, 2, "zero0", False, "bfloat16"),
     "2proc_zero0": (2, 1, "zero0", False, "float32"),
     "2proc_zero2": (2, 1, "zero2", False, "float32"),
     "2proc_zero2_gc": (2, 1, "zero2", True, "float32"),

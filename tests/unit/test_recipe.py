@@ -215,3 +215,20 @@ def test_an_unknown_curriculum_stage_is_named():
     assert chosen_curriculum(recipe, None) == ["n16", "n32"] and chosen_curriculum(recipe, ["n32"]) == ["n32"]
     with pytest.raises(ConfigError, match="curriculum: unknown stage 'n64'; the recipe's stages are n16, n32"):
         chosen_curriculum(recipe, ["n64"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs" / "campaign").glob("*.yaml")))
+def test_campaign_recipes_load(name):
+    assert load_recipe(REPO / "configs" / "campaign" / name).stages()
+
+
+def test_every_ablation_variant_is_a_valid_recipe():
+    """bench.ablation's variants are overrides of the ablation recipe: a misspelt key would fail hours into a run."""
+    from bench.ablation import CONTINUES, VARIANTS
+    from jfcore.config import apply_overrides, load_file
+
+    base = load_file(REPO / "configs" / "campaign" / "cpu-ablation.yaml")
+    for name, (overrides, _) in VARIANTS.items():
+        filled = [o.format(**{CONTINUES[name]: "runs/x"}) for o in overrides] if name in CONTINUES else overrides
+        recipe = load_recipe(apply_overrides(base, filled))
+        assert recipe.stages()[-1].training.acceptance.block_sizes == (4, 8), name

@@ -1,0 +1,154 @@
+"""What moves own-draft TPF: one training run per variant of a recipe, side by side, each with the acceptance its
+training stage measured on held-out prompts as it trained (docs/TRAINING.md, "Acceptance during training").
+
+    python -m bench.ablation configs/campaign/cpu-ablation.yaml                       # every variant, in order
+    python -m bench.ablation configs/campaign/cpu-ablation.yaml --variants base lr-3e-4
+    python -m bench.ablation configs/campaign/cpu-ablation.yaml --report-only         # tabulate what has run
+
+A variant is a list of `--set` overrides of the recipe. Every variant runs in the recipe's work_dir through the
+flow (trajectories -> packing -> training), so variants with the same trajectory settings share one trajectory
+store, and a finished variant is reused: a rerun runs only what is missing. `--set` applies to every variant.
+Writes `<out>/ablation.json`, `ablation.md` (one row per variant: training tokens and minutes, the final simulated
+and decoded TPF at each block size, noisy accuracy, the share of held-out answers left unchanged) and
+`ablation.png` (simulated TPF against training tokens, one line per variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jfcore.config import apply_overrides, load_file
+from jfcore.contracts import ACCEPTANCE, LAUNCH_FILE, METRICS
+from jfcore.training.checkpoints import read_metrics
+
+# name -> (overrides, what it varies). The recipe's own settings are `base`.
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "base": ([], "the recipe"),
+    "ar-10": (["training.ar_weight=10"], "AR weight lambda 10"),
+    "ar-0.1": (["training.ar_weight=0.1"], "AR weight lambda 0.1"),
+    "ar-prompt": (["training.ar_on_prompt=true"], "L_AR also on the prompt"),
+    "lr-3e-5": (["training.learning_rate=3.0e-5"], "learning rate 3e-5"),
+    "lr-3e-4": (["training.learning_rate=3.0e-4"], "learning rate 3e-4"),
+    "lr-constant": (["training.lr_schedule=constant"], "constant rate after warmup"),
+    "context-clean": (["training.noisy_context=clean"], "noisy blocks see the fixed points before them"),
+    "noise-random": (["packing.strategy=random"], "noise targets drawn at random"),
+    "window-16": (["packing.window=16"], "one progressive ramp over 16 blocks"),
+    "noise-max-0.5": (["packing.max_noise=0.5"], "noise levels up to 0.5 only"),
+    "lora-16": (["training.lora={rank: 16, alpha: 32}", "training.learning_rate=1.0e-3"], "LoRA rank 16, lr 1e-3"),
+    "data-256": (["prompts.limit=256"], "a quarter of the prompts, so 4x the epochs"),
+    "math-256": (
+        ["prompts.path=../shared/data/prompts/gsm8k_train.jsonl", "prompts.limit=256"],
+        "GSM8K prompts only (against data-256: mixed)",
+    ),
+    "block-4": (["trajectories.block_size=4", "packing.window=4", "prompts.limit=256"], "n = 4 (256 prompts)"),
+    "block-16": (["trajectories.block_size=16", "packing.window=16", "prompts.limit=256"], "n = 16 (256 prompts)"),
+    "on-policy": (
+        ["model.name_or_path={base}/final", "prompts.limit=256"],
+        "base, then a second round on trajectories its model made (256 prompts)",
+    ),
+}
+# A variant that continues another: `{name}` in its overrides is that variant's (last) training folder, and its
+# curve follows that variant's.
+CONTINUES = {"on-policy": "base"}
+
+
+def run_variant(source: str, name: str, overrides: list[str], folders: dict[str, list[str]]) -> list[str]:
+    """Run one variant through the flow (reused when finished); the training run folders of its curve."""
+    from flows.jacobi_forcing import jacobi_forcing
+
+    before = folders[CONTINUES[name]] if name in CONTINUES else []
+    own = [o.format(**{CONTINUES[name]: before[-1]}) if before else o for o in VARIANTS[name][0]]
+    recipe = apply_overrides(load_file(source), [*own, *overrides])
+    result = jacobi_forcing(recipe, stages=["trajectories", "packing", "training"])
+    return before + [stage.training.folder for stage in result.stages.values()]
+
+
+def figures(folders: list[str]) -> dict:
+    """A variant's curve (its stages one after another) and final figures, from the files its training wrote."""
+    curve, tokens_before, seconds, final = [], 0, 0.0, {}
+    for folder in map(Path, folders):
+        steps = read_metrics(folder / METRICS)
+        for record in read_metrics(folder / ACCEPTANCE):
+            if record.get("decoded"):
+                final |= {k: v for k, v in record.items() if k.startswith("heldout/")}
+            else:
+                curve.append({**record, "tokens": tokens_before + record["tokens"]})
+                final |= {k: v for k, v in record.items() if k.startswith("heldout/")}
+        tokens_before += sum(r["tokens"] for r in steps)
+        seconds += sum(r["tokens"] / r["tokens_per_second"] for r in steps)
+        training = json.loads((folder / LAUNCH_FILE).read_text())["training"]
+    return {"curve": curve, "final": final, "tokens": tokens_before, "minutes": seconds / 60, "training": training}
+
+
+def markdown(results: dict, block_sizes: list[int]) -> str:
+    head = ["variant", "what", "training tokens", "minutes"]
+    head += [f"simulated n{n}" for n in block_sizes] + [f"decoded n{n}" for n in block_sizes]
+    head += [f"multiblock n{n}" for n in block_sizes]
+    head += ["noisy accuracy", "at offset 0", "answers unchanged"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for name, r in results.items():
+        f = r["final"]
+
+        def cell(key: str, f=f) -> str:
+            return f"{f[key]:.3f}" if key in f else "-"
+
+        cells = [name, VARIANTS[name][1], f"{r['tokens']:,}", f"{r['minutes']:.0f}"]
+        cells += [cell(f"heldout/simulated_tpf_n{n}") for n in block_sizes]
+        cells += [cell(f"heldout/decoded_tpf_n{n}") for n in block_sizes]
+        cells += [cell(f"heldout/decoded_multiblock_tpf_n{n}") for n in block_sizes]
+        cells += [cell("heldout/noisy_accuracy"), cell("heldout/noisy_accuracy_at_0"), cell("heldout/greedy_unchanged")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, block_sizes: list[int], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5 * len(block_sizes), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(block_sizes), squeeze=False)[0]
+    for ax, n in zip(axes, block_sizes):
+        for i, (name, r) in enumerate(results.items()):
+            points = [
+                (p["tokens"], p[f"heldout/simulated_tpf_n{n}"])
+                for p in r["curve"]
+                if f"heldout/simulated_tpf_n{n}" in p
+            ]
+            if points:
+                ax.plot(*zip(*points), marker=".", color=f"C{i % 10}", ls=("-", "--")[i // 10 % 2], label=name)
+        ax.set(title=f"held-out simulated Jacobi TPF, n = {n}", xlabel="training tokens", ylabel="tokens per forward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="e.g. configs/campaign/cpu-ablation.yaml")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every variant")
+    parser.add_argument("--report-only", action="store_true", help="tabulate finished variants, run nothing")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ablation"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    index = args.out / "folders.json"  # variant -> its training run folders, kept across invocations
+    folders = json.loads(index.read_text()) if index.is_file() else {}
+    for name in args.variants:
+        if not args.report_only:
+            folders[name] = run_variant(args.recipe, name, args.set, folders)
+            index.write_text(json.dumps(folders, indent=1))
+    results = {name: figures(folders[name]) for name in VARIANTS if name in folders}
+    block_sizes = sorted(
+        {int(k.rsplit("_n", 1)[1]) for r in results.values() for k in r["final"] if "simulated_tpf_n" in k}
+    )
+    (args.out / "ablation.json").write_text(json.dumps({"recipe": args.recipe, "variants": results}, indent=1))
+    table = markdown(results, block_sizes)
+    (args.out / "ablation.md").write_text(table)
+    plot(results, block_sizes, args.out / "ablation.png")
+    print(table)
+    print(f"wrote {args.out}/ablation.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
