@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from jfcore.config import apply_overrides, load_file
@@ -28,6 +29,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the recipe"),
     "ar-10": (["training.ar_weight=10"], "AR weight lambda 10"),
     "ar-0.1": (["training.ar_weight=0.1"], "AR weight lambda 0.1"),
+    "ar-0.01": (["training.ar_weight=0.01"], "AR weight lambda 0.01"),
     "ar-prompt": (["training.ar_on_prompt=true"], "L_AR also on the prompt"),
     "lr-3e-5": (["training.learning_rate=3.0e-5"], "learning rate 3e-5"),
     "lr-3e-4": (["training.learning_rate=3.0e-4"], "learning rate 3e-4"),
@@ -44,11 +46,18 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     ),
     "block-4": (["trajectories.block_size=4", "packing.window=4", "prompts.limit=256"], "n = 4 (256 prompts)"),
     "block-16": (["trajectories.block_size=16", "packing.window=16", "prompts.limit=256"], "n = 16 (256 prompts)"),
+    # Combinations of the single changes that helped, towards a recipe.
+    "ar-0.01+noise-random": (
+        ["training.ar_weight=0.01", "packing.strategy=random"],
+        "AR weight 0.01 and random noise targets",
+    ),
+    "ar-0.01+lr-3e-4": (["training.ar_weight=0.01", "training.learning_rate=3.0e-4"], "AR weight 0.01 and lr 3e-4"),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",
     ),
 }
+TARGET = 1.6  # the own-draft TPF the recipe is after (n <= 8)
 # A variant that continues another: `{name}` in its overrides is that variant's (last) training folder, and its
 # curve follows that variant's.
 CONTINUES = {"on-policy": "base"}
@@ -82,11 +91,22 @@ def figures(folders: list[str]) -> dict:
     return {"curve": curve, "final": final, "tokens": tokens_before, "minutes": seconds / 60, "training": training}
 
 
+def tokens_to_reach(curve: list[dict], n: int, target: float) -> float | None:
+    """Training tokens at which a least-squares line through (log10 tokens, simulated TPF at n) of the curve's
+    trained points reaches `target`: a crude extrapolation, None where the line does not rise."""
+    points = [(math.log10(p["tokens"]), p[f"heldout/simulated_tpf_n{n}"]) for p in curve if p["tokens"] > 0]
+    if len(points) < 2:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return 10 ** (mx + (target - my) / slope) if slope > 0 else None
+
+
 def markdown(results: dict, block_sizes: list[int]) -> str:
     head = ["variant", "what", "training tokens", "minutes"]
     head += [f"simulated n{n}" for n in block_sizes] + [f"decoded n{n}" for n in block_sizes]
     head += [f"multiblock n{n}" for n in block_sizes]
-    head += ["noisy accuracy", "at offset 0", "answers unchanged"]
+    head += ["noisy accuracy", "at offset 0", "answers unchanged", f"tokens to TPF {TARGET} at n8 (fit)"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for name, r in results.items():
         f = r["final"]
@@ -99,6 +119,8 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
         cells += [cell(f"heldout/decoded_tpf_n{n}") for n in block_sizes]
         cells += [cell(f"heldout/decoded_multiblock_tpf_n{n}") for n in block_sizes]
         cells += [cell("heldout/noisy_accuracy"), cell("heldout/noisy_accuracy_at_0"), cell("heldout/greedy_unchanged")]
+        reach = tokens_to_reach(r["curve"], 8, TARGET) if 8 in block_sizes else None
+        cells.append("-" if reach is None else f"{reach:.2g}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             folders[name] = run_variant(args.recipe, name, args.set, folders)
             index.write_text(json.dumps(folders, indent=1))
     results = {name: figures(folders[name]) for name in VARIANTS if name in folders}
+    if not results:
+        raise SystemExit(f"no variant has run yet (none in {index})")
     block_sizes = sorted(
         {int(k.rsplit("_n", 1)[1]) for r in results.values() for k in r["final"] if "simulated_tpf_n" in k}
     )

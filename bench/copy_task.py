@@ -34,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from jfcore.contracts import ACCEPTANCE, LATEST, TRAINING
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.environment import usable_cores
 from jfcore.training.checkpoints import read_metrics
 
 WORDS = 24  # content words c0..c23
@@ -62,8 +63,16 @@ def answer(prompt_ids: list[int], eos: int) -> list[int]:
 
 def make_copy_model(path: str | Path, steps: int = 1000, seed: int = 0) -> Path:
     """Train the AR copying model (loss on the answer only) and save it with its tokenizer; refuses to save a
-    model that does not copy fresh prompts fluently."""
-    path = Path(path)
+    model that does not copy fresh prompts fluently. Uses every usable core meanwhile (a test process keeps one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        return _train_copy_model(Path(path), steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_copy_model(path: Path, steps: int, seed: int) -> Path:
     tok = tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok),

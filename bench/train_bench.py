@@ -25,7 +25,7 @@ from bench.decode_bench import RESULTS, environment
 from jfcore.models import ModelConfig, load_tokenizer
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
-from jfcore.training.config import TrainConfig
+from jfcore.training.config import AcceptanceConfig, TrainConfig
 from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
 from tasks.training import LaunchConfig, run_training
@@ -68,6 +68,7 @@ def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path) -
         checkpoint_every=10**6,
         gradient_checkpointing=checkpointing,
         precision=precision,
+        acceptance=AcceptanceConfig(every=0),  # throughput alone
     )
     began = time.perf_counter()
     run_training(

@@ -22,7 +22,6 @@ from types import SimpleNamespace
 from jfcore.config import check
 from jfcore.environment import apply_defaults
 from jfcore.shards import ShardSpec, completed_shards, record_shard, remove_stale_temporaries
-from tasks.orchestration import Progress
 
 apply_defaults()  # quiet: Ray must not phone home, and 2.60 turns token auth on by default
 
@@ -161,7 +160,7 @@ def fill_shards(
     submit: Callable,
     settings: dict,
     log: Callable[[str], None],
-    progress: Progress | None = None,
+    progress: Callable[..., None] | None = None,  # tasks.orchestration.Progress
 ) -> None:
     """Make every shard of `specs` in `folder` that its manifest does not list yet.
 

@@ -254,10 +254,11 @@ def logged_model(folder: Path) -> dict | None:
 SERVING_PARAMS = {"method": "tuned", "block_size": 0, "max_new_tokens": 256}
 
 
-def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path) -> dict:
+def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, folder: Path, step: int = 0) -> dict:
     """Log an HF checkpoint folder as a Jacobi-decoding pyfunc without loading it (no input example),
     and register it when configured. (MLflow's transformers flavor cannot log transformers 5
-    checkpoints by path.)"""
+    checkpoints by path.) MLflow links the run's metrics at `step` to the model: training passes its last
+    step, so the checkpoint's row in the Models tab carries its final loss and held-out acceptance."""
     import mlflow
     from mlflow.models import infer_signature
 
@@ -276,6 +277,7 @@ def log_model_by_path(config: TrackingConfig, run_id: str, checkpoint: Path, fol
             # Declared, not inferred by running the model: text in, text out, decoding settings as params.
             signature=infer_signature(["prompt"], ["completion"], params=SERVING_PARAMS),
             registered_model_name=config.registered_model,
+            step=step,
         )
     model = {
         "model_uri": info.model_uri,

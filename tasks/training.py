@@ -183,7 +183,8 @@ def run_training(
             mlflow = client(tracking)
             for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE, LAUNCH_LOG):
                 mlflow.log_artifact(run_id, str(out / name), artifact_path=TRAINING)
-            model = log_model_by_path(tracking, run_id, out / FINAL, out)  # ends the run: FINISHED
+            last_step = _last_metrics(out / METRICS).get("step", 0)
+            model = log_model_by_path(tracking, run_id, out / FINAL, out, last_step)  # ends the run: FINISHED
         else:
             client(tracking).set_terminated(run_id, "FINISHED")
         registered = (

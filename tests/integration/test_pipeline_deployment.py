@@ -165,7 +165,11 @@ def test_parquet_outputs(stack, two_runs):
     assert len({r["prompt_id"] for r in rows}) == 12
     [packed] = list((work / "packing").iterdir())
     stats = json.loads((packed / "stats.json").read_text())
-    assert stats["sequences"] == 12 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
+    assert stats["sequences"] == 9 == sum(pq.read_table(f).num_rows for f in packed.glob("packed-*.parquet"))
+    # The held-out prompts (heldout_fraction 0.2: 3 of 12, by the hash of their ids) are packed apart, not trained.
+    heldout = json.loads((packed / "heldout" / "stats.json").read_text())
+    assert heldout["sequences"] == 3 == sum(pq.read_table(f).num_rows for f in (packed / "heldout").glob("*.parquet"))
+    assert len(set(stats["heldout_prompts"])) == 3 and set(stats["heldout_prompts"]) <= {r["prompt_id"] for r in rows}
     [report] = list((work / "evaluation").glob("*/report"))
     samples = pq.read_table(report / "samples.parquet").to_pylist()
     assert len(samples) == 3 * 2 * 4 and all(s["exact"] for s in samples)  # problems x models x methods
@@ -199,7 +203,7 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     assert nested["tuning"].data.metrics["batch1/speedup_measured"] > 0
     assert {a.path for a in mlflow.list_artifacts(nested["tuning"].info.run_id, "tuning")} >= {"tuning/tune.json"}
     assert all(run.info.run_name == stage for stage, run in nested.items())  # the UI lists them by stage
-    assert nested["packing"].data.metrics["sequences"] == 12
+    assert nested["packing"].data.metrics["sequences"] == 9  # 3 of the 12 prompts are held out
     [selection] = mlflow.list_artifacts(nested["trajectories"].info.run_id, "trajectories")
     assert re.fullmatch(r"trajectories/[0-9a-f]{16}\.json", selection.path)  # the prompt set's selection file
     assert nested["trajectories"].data.metrics["reused_prompts"] == 12
@@ -283,6 +287,14 @@ def test_checkpoints_compare_in_mlflow_with_their_params_metrics_and_datasets(st
     assert evaluation.data.tags["jacobi_forcing.headline_method"] == "tuned"
     [trained_name] = [n for n in models if n.startswith("trained ")]
     assert set(models) == {"base base", trained_name}
+    [train] = [r for r in runs if r.data.tags.get("jacobi_forcing.stage") == "training"]
+    final_step = {  # the training run's figures at its last step: its loss and its held-out acceptance
+        m.key: (m.value, None)
+        for key in train.data.metrics
+        for m in mlflow.get_metric_history(train.info.run_id, key)
+        if m.step == STEPS
+    }
+    assert {"loss", "heldout/simulated_tpf_n4", "heldout/decoded_tpf_n4"} <= set(final_step)
     for label, name in (("base", "base base"), ("trained", trained_name)):
         logged = {m.key: (m.value, m.dataset_name) for m in models[name].metrics}
         expected = {
@@ -290,7 +302,7 @@ def test_checkpoints_compare_in_mlflow_with_their_params_metrics_and_datasets(st
             for b in ("gsm8k", "humaneval", "all")
             for metric, column in MODEL_METRICS.items()
         }
-        assert logged == expected
+        assert logged == expected | (final_step if label == "trained" else {})
         assert {"source", "trained_block_size", "training_steps", "training_folder", "tuned_decoding"} <= set(
             models[name].params
         )
@@ -316,7 +328,7 @@ def test_checkpoints_compare_in_mlflow_with_their_params_metrics_and_datasets(st
     [store] = [p.parent for p in (stack["root"] / "work" / "trajectories").glob("*/manifest.json")]
     blocks = sum(pq.read_table(f).num_rows for f in store.glob("shard-*.parquet"))  # a row per block trajectory
     assert read["packing"] == {("trajectories", blocks)}
-    assert read["training"] == {("packed", 12)}
+    assert read["training"] == {("packed", 9)}
     assert read["evaluation"] == {("gsm8k", 2), ("humaneval", 1), ("all", 3)}
 
 
@@ -355,7 +367,7 @@ def test_the_mlflow_ui_opens_on_the_models_tab_and_shows_each_checkpoints_figure
         expected = {f"{b}/{metric}" for b in ("gsm8k", "humaneval", "all") for metric in MODEL_METRICS}
         for name, model in models.items():
             shown = {key: text for key, text in table[name].items() if key in expected}
-            client_side = {m.key: m.value for m in model.metrics}
+            client_side = {m.key: m.value for m in model.metrics if m.dataset_name}  # the benchmarks' figures
             assert set(shown) == expected == set(client_side), name  # every figure, on the page and in MLflow
             for key, text in shown.items():
                 assert float(text) == pytest.approx(client_side[key], rel=1e-6), (name, key)
