@@ -13,7 +13,8 @@ Which logits count (a logit at a position predicts the next token of its stream)
   first EOS. EOS inside the prompt (chat templates end turns with it) is ordinary.
 - Consistency: for block j with first mismatch d_j, offsets t in [d_j, m_j)
   (m_j its valid length) whose prediction is not past the first EOS either,
-  pairing the noisy logit at k_j+t (student) with the clean one at l_j+t (teacher).
+  pairing the noisy logit at k_j+t (student) with the clean one at l_j+t (teacher), and with the
+  fixed point's token that clean logit predicts (none past the response's end).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 PAD, PROMPT, NOISY, CLEAN = -1, 0, 1, 2
+IGNORE = -100  # a pair target with no token: cross-entropy's ignore_index
 
 
 @dataclass
@@ -38,6 +40,7 @@ class PackedBatch:
     teacher_positions: torch.Tensor  # [C] ... and of the clean logits they learn from
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
     pair_offsets: torch.Tensor  # [C] t - d_j: how far past its block's first wrong token the student's input reaches
+    pair_targets: torch.Tensor  # [C] the fixed point's token the teacher's logit predicts (IGNORE: past the response)
     tokens: int  # real (non-PAD) tokens: what tokens/s counts
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -52,7 +55,7 @@ class _Row:
     streams: list[int]
     blocks: list[int]
     ar: list[tuple[int, int]]  # (position, target token)
-    pairs: list[tuple[int, int, int]]  # (student position, teacher position, offset from the first mismatch)
+    pairs: list[tuple[int, int, int, int]]  # (student position, teacher position, offset, fixed-point target)
 
 
 def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
@@ -87,7 +90,9 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
         noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
         for t in range(mismatch[j], valid[j]):
             if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
-                pairs.append((noisy + t, clean + t, t - mismatch[j]))
+                after = seen + t + 1
+                target = ids[clean_positions[after]] if after < len(clean_positions) else IGNORE
+                pairs.append((noisy + t, clean + t, t - mismatch[j], target))
         seen += valid[j]
     return _Row(streams, blocks, ar, pairs)
 
@@ -101,7 +106,7 @@ def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None, a
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
     blocks = torch.full((B, L), -1, dtype=torch.int32)
-    ar_pos, ar_tgt, student, teacher, weights, offsets = [], [], [], [], [], []
+    ar_pos, ar_tgt, student, teacher, weights, offsets, targets = [], [], [], [], [], [], []
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
@@ -110,9 +115,10 @@ def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None, a
         blocks[b, :width] = torch.tensor(lay.blocks, dtype=torch.int32)
         ar_pos += [b * L + p for p, _ in lay.ar]
         ar_tgt += [t for _, t in lay.ar]
-        student += [b * L + s for s, _, _ in lay.pairs]
-        teacher += [b * L + c for _, c, _ in lay.pairs]
-        offsets += [k for _, _, k in lay.pairs]
+        student += [b * L + s for s, _, _, _ in lay.pairs]
+        teacher += [b * L + c for _, c, _, _ in lay.pairs]
+        offsets += [k for _, _, k, _ in lay.pairs]
+        targets += [y for _, _, _, y in lay.pairs]
         if lay.pairs:
             weights += [1.0 / (len(lay.pairs) * row["num_blocks"] * B)] * len(lay.pairs)
     return PackedBatch(
@@ -126,5 +132,6 @@ def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None, a
         teacher_positions=torch.tensor(teacher, dtype=torch.long),
         pair_weights=torch.tensor(weights, dtype=torch.float32),
         pair_offsets=torch.tensor(offsets, dtype=torch.long),
+        pair_targets=torch.tensor(targets, dtype=torch.long),
         tokens=int((streams != PAD).sum()),
     )

@@ -72,6 +72,10 @@ class TrainConfig:
     # ("clean", as a single Jacobi block sees its committed text).
     noisy_context: Literal["noisy", "clean"] = "noisy"
     temperature: float = 1.0  # tau of the consistency loss
+    # What a noisy logit learns from: the clean logit of the same forward, detached ("clean", the published
+    # objective; it moves with the model), or the fixed point's token, fixed by the trajectories ("fixed_point":
+    # hard cross-entropy, tau unused), which a model cannot meet by caring less about its context.
+    consistency_target: Literal["clean", "fixed_point"] = "clean"
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
     gradient_checkpointing: bool = False

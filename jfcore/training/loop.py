@@ -186,7 +186,7 @@ def train_step(t: Trainer, step: int) -> dict:
         logits = engine(
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
         ).logits
-        losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature)
+        losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature, config.consistency_target)
         engine.backward(losses.total)
         if micro == config.gradient_accumulation_steps - 1:
             own_norm = _plain_grad_norm(engine)

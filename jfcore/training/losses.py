@@ -7,7 +7,9 @@ Reductions, made explicit because they change the effective weights:
   divided once more by the row's number of blocks T; then the mean over rows.
   A row with no kept pair (every noisy block equal to its clean block) adds 0.
   `collate` folds all of this into per-pair weights.
-The teacher is the same forward's clean stream, detached: no gradient reaches it.
+The teacher is the same forward's clean stream, detached: no gradient reaches it. With
+consistency_target "fixed_point" the student learns instead the fixed point's token that teacher
+logit predicts (hard cross-entropy, same pair weights; a pair past the response's end adds 0).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from jfcore.training.batch import PackedBatch
+from jfcore.training.batch import IGNORE, PackedBatch
 
 
 @dataclass
@@ -34,17 +36,27 @@ def ar_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return F.cross_entropy(flat[batch.ar_positions].float(), batch.ar_targets)
 
 
-def consistency_loss(logits: torch.Tensor, batch: PackedBatch, temperature: float) -> torch.Tensor:
+def consistency_loss(
+    logits: torch.Tensor, batch: PackedBatch, temperature: float, target: str = "clean"
+) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     if batch.student_positions.numel() == 0:
         return flat.sum() * 0.0
+    if target == "fixed_point":
+        targets = batch.pair_targets.to(flat.device)
+        per_pair = F.cross_entropy(
+            flat[batch.student_positions].float(), targets, ignore_index=IGNORE, reduction="none"
+        )
+        return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
     student = F.log_softmax(flat[batch.student_positions].float() / temperature, dim=-1)
     teacher = F.softmax(flat[batch.teacher_positions].detach().float() / temperature, dim=-1)
     per_pair = -(teacher * student).sum(-1) * temperature**2
     return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
 
 
-def jacobi_forcing_loss(logits: torch.Tensor, batch: PackedBatch, ar_weight: float, temperature: float) -> Losses:
+def jacobi_forcing_loss(
+    logits: torch.Tensor, batch: PackedBatch, ar_weight: float, temperature: float, target: str = "clean"
+) -> Losses:
     ar = ar_loss(logits, batch)
-    pc = consistency_loss(logits, batch, temperature)
+    pc = consistency_loss(logits, batch, temperature, target)
     return Losses(total=pc + ar_weight * ar, ar=ar.detach(), consistency=pc.detach())

@@ -50,3 +50,23 @@ def packed_data(
         )
     pack_shards([shard], out / "packed", config)
     return out / "packed"
+
+
+def packed_row(prompt: list[int], blocks: list[tuple[list[int], list[int]]], mismatch: list[int], n: int, pad: int = 0):
+    """A packed row built by hand: `blocks` are (noisy, clean) pairs of equal valid length <= n, padded with `pad`;
+    `mismatch` is each block's first mismatch."""
+    ids, pos, P = list(prompt), list(range(len(prompt))), len(prompt)
+    for j, (k, l) in enumerate(blocks):
+        fill = [pad] * (n - len(l))
+        ids += k + fill + l + fill
+        pos += list(range(P + j * n, P + (j + 1) * n)) * 2
+    return {
+        "prompt_id": "p",
+        "input_ids": ids,
+        "position_ids": pos,
+        "prompt_length": P,
+        "block_size": n,
+        "num_blocks": len(blocks),
+        "first_mismatch": mismatch,
+        "valid_lengths": [len(l) for _, l in blocks],
+    }

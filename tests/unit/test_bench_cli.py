@@ -148,3 +148,11 @@ def test_compile_curve_times_a_bfloat16_copy_beside_the_model(tiny, tmp_path):
     copy = compile_curve.build(model, "bfloat16")
     assert copy is not model and next(copy.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_text_repetition_counts_the_4grams_a_completion_repeats():
+    from bench.text_repetition import repeated_share
+
+    assert repeated_share([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5  # the last 4-gram is the first again
+    assert repeated_share([7] * 10) == 6 / 7  # a loop: every 4-gram after the first
+    assert repeated_share(list(range(12))) == 0.0 and repeated_share([1, 2]) == 0.0

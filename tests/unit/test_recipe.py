@@ -232,3 +232,13 @@ def test_every_ablation_variant_is_a_valid_recipe():
         filled = [o.format(**{CONTINUES[name]: "runs/x"}) for o in overrides] if name in CONTINUES else overrides
         recipe = load_recipe(apply_overrides(base, filled))
         assert recipe.stages()[-1].training.acceptance.block_sizes == (4, 8), name
+
+
+@pytest.mark.parametrize("name", ["eval_smollm2_cpu.yaml", "eval_smollm2_ablation_cpu.yaml"])
+def test_evaluation_configs_load(name):
+    """The jf-eval configs: every key known, both models and every benchmark named."""
+    from jfcore.config import load_sections
+    from tasks.evaluation import SECTIONS
+
+    config = load_sections(REPO / "configs" / name, SECTIONS, required=("evaluation",))["evaluation"]
+    assert set(config.models) == {"base", "trained"} and config.benchmarks

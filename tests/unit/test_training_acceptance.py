@@ -9,6 +9,7 @@ import torch
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.training.acceptance import Example, examples, measure, simulated_tpf
 from tests.support.tiny_models import position_model, tiny_model
+from tests.support.training_data import packed_row
 
 PROMPTS = [[7, 3, 9, 1, 4, 4, 2], [5, 6], [11, 12, 13, 40, 41]]
 
@@ -33,24 +34,6 @@ def test_simulated_tpf_sees_drafts_that_are_right_whatever_the_context():
     response = decode(model, PROMPTS[:1], DecodeConfig(method="ar", max_new_tokens=24), eos_token_id=[], pad_token_id=0)
     simulated = simulated_tpf(model, [Example(PROMPTS[0], response.sequences[0])], [8, 4], pad_token_id=0)
     assert simulated == {8: (24, 3 * 2), 4: (24, 6 * 2)}
-
-
-def packed_row(prompt, blocks, mismatch, n, pad=0):
-    ids, pos, P = list(prompt), list(range(len(prompt))), len(prompt)
-    for j, (k, l) in enumerate(blocks):
-        fill = [pad] * (n - len(l))
-        ids += k + fill + l + fill
-        pos += list(range(P + j * n, P + (j + 1) * n)) * 2
-    return {
-        "prompt_id": "p",
-        "input_ids": ids,
-        "position_ids": pos,
-        "prompt_length": P,
-        "block_size": n,
-        "num_blocks": len(blocks),
-        "first_mismatch": mismatch,
-        "valid_lengths": [len(l) for _, l in blocks],
-    }
 
 
 def test_noisy_accuracy_counts_the_students_argmax_against_the_fixed_point():

@@ -6,27 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from jfcore.training import collate, consistency_loss, jacobi_forcing_loss
+from jfcore.training.batch import IGNORE
+from tests.support.training_data import packed_row
 
 V, EOS, PADID = 11, 2, 0
-
-
-def row(prompt, blocks, mismatch, n):
-    """blocks: list of (noisy, clean) with equal valid lengths <= n."""
-    ids, pos, P = list(prompt), list(range(len(prompt))), len(prompt)
-    for j, (k, l) in enumerate(blocks):
-        pad = [PADID] * (n - len(l))
-        ids += k + pad + l + pad
-        pos += list(range(P + j * n, P + (j + 1) * n)) * 2
-    return {
-        "prompt_id": "p",
-        "input_ids": ids,
-        "position_ids": pos,
-        "prompt_length": P,
-        "block_size": n,
-        "num_blocks": len(blocks),
-        "first_mismatch": mismatch,
-        "valid_lengths": [len(l) for _, l in blocks],
-    }
 
 
 def leaf_logits(batch, seed=0):
@@ -36,7 +19,7 @@ def leaf_logits(batch, seed=0):
 
 def test_no_consistency_loss_when_noisy_equals_clean():
     blocks = [([3, 4, 5], [3, 4, 5]), ([6, 7, 8], [6, 7, 8])]
-    batch = collate([row([1, 9], blocks, mismatch=[3, 3], n=3)], PADID, EOS)
+    batch = collate([packed_row([1, 9], blocks, mismatch=[3, 3], n=3)], PADID, EOS)
     logits = leaf_logits(batch)
     loss = consistency_loss(logits, batch, temperature=1.0)
     assert loss.item() == 0.0
@@ -47,7 +30,7 @@ def test_no_consistency_loss_when_noisy_equals_clean():
 def test_only_offsets_from_the_first_mismatch_count_and_the_teacher_gets_no_gradient():
     # block 0 differs from offset 1 on, block 1 from offset 2 on; n = 4, prompt of 2
     blocks = [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])]
-    batch = collate([row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
+    batch = collate([packed_row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
     logits = leaf_logits(batch)
     consistency_loss(logits, batch, temperature=1.0).backward()
     graded = logits.grad[0].abs().sum(-1).nonzero().flatten().tolist()
@@ -56,8 +39,8 @@ def test_only_offsets_from_the_first_mismatch_count_and_the_teacher_gets_no_grad
 
 
 def test_reduction_is_mean_over_kept_pairs_then_over_blocks_then_over_rows():
-    r1 = row([1], [([3, 9], [3, 4]), ([5, 6], [5, 6])], mismatch=[1, 2], n=2)  # 1 kept pair, T = 2
-    r2 = row([1, 7, 8], [([9, 9], [4, 5])], mismatch=[0], n=2)  # 2 kept pairs, T = 1
+    r1 = packed_row([1], [([3, 9], [3, 4]), ([5, 6], [5, 6])], mismatch=[1, 2], n=2)  # 1 kept pair, T = 2
+    r2 = packed_row([1, 7, 8], [([9, 9], [4, 5])], mismatch=[0], n=2)  # 2 kept pairs, T = 1
     batch = collate([r1, r2], PADID, EOS)
     logits = leaf_logits(batch, seed=1)
     tau = 2.0
@@ -75,7 +58,7 @@ def test_ar_targets_stop_at_the_first_response_eos_and_skip_padding():
     # The prompt contains EOS (chat templates end turns with it): that one is ordinary.
     prompt = [1, EOS, 5]
     blocks = [([9, 9, 9], [6, EOS, 7]), ([9, 9], [8, 4])]  # tokens after the response EOS, and a short block
-    batch = collate([row(prompt, blocks, mismatch=[0, 0], n=3)], PADID, EOS)
+    batch = collate([packed_row(prompt, blocks, mismatch=[0, 0], n=3)], PADID, EOS)
     # clean stream: prompt 0..2, l_0 at 6..8, l_1 at 12..13 (14 is padding)
     assert batch.ar_positions.tolist() == [0, 1, 2, 6]
     assert batch.ar_targets.tolist() == [EOS, 5, 6, EOS]
@@ -85,7 +68,7 @@ def test_ar_targets_stop_at_the_first_response_eos_and_skip_padding():
 
 def test_ar_bridge_crosses_block_boundaries_and_padding_is_never_a_target():
     blocks = [([9, 9], [3, 4]), ([9, 9], [5, 9]), ([9, 9], [6, 0])]
-    r = row([1], blocks, mismatch=[0, 0, 0], n=2)
+    r = packed_row([1], blocks, mismatch=[0, 0, 0], n=2)
     r["valid_lengths"][-1] = 1  # the last block ends after one token; its second slot is padding
     batch = collate([r], PADID, EOS)
     # clean positions: prompt 0, l_0 3..4, l_1 7..8, l_2 11 (12 padding)
@@ -95,7 +78,7 @@ def test_ar_bridge_crosses_block_boundaries_and_padding_is_never_a_target():
 
 
 def test_total_is_consistency_plus_lambda_times_ar():
-    batch = collate([row([1, 3], [([9, 9], [4, 5])], mismatch=[0], n=2)], PADID, EOS)
+    batch = collate([packed_row([1, 3], [([9, 9], [4, 5])], mismatch=[0], n=2)], PADID, EOS)
     logits = leaf_logits(batch, seed=2)
     losses = jacobi_forcing_loss(logits, batch, ar_weight=10.0, temperature=1.0)
     ar = F.cross_entropy(logits[0, [0, 1, 4]], torch.tensor([3, 4, 5]))
@@ -107,8 +90,8 @@ def test_total_is_consistency_plus_lambda_times_ar():
 def test_ar_without_the_prompt_keeps_the_step_into_the_response():
     prompt = [1, 7, 5]
     blocks = [([6, 9, 9], [6, 3, 4]), ([8, 9], [8, 4])]
-    both = collate([row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS)
-    response_only = collate([row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS, ar_prompt=False)
+    both = collate([packed_row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS)
+    response_only = collate([packed_row(prompt, blocks, mismatch=[1, 1], n=3)], PADID, EOS, ar_prompt=False)
     # clean stream: prompt 0..2, l_0 at 6..8, l_1 at 12..13: the prompt's last token (2) predicts l_0's first
     assert both.ar_positions.tolist() == [0, 1, 2, 6, 7, 8, 12]
     assert response_only.ar_positions.tolist() == [2, 6, 7, 8, 12]
@@ -118,6 +101,25 @@ def test_ar_without_the_prompt_keeps_the_step_into_the_response():
 
 def test_pair_offsets_count_from_each_blocks_first_mismatch():
     blocks = [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])]
-    batch = collate([row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
+    batch = collate([packed_row([1, 10], blocks, mismatch=[1, 2], n=4)], PADID, EOS)
     assert batch.student_positions.tolist() == [3, 4, 5, 12, 13]
     assert batch.pair_offsets.tolist() == [0, 1, 2, 0, 1]
+
+
+def test_fixed_point_targets_are_the_next_clean_tokens_and_the_loss_scores_them():
+    blocks = [([9, 9, 9], [4, 5, 6]), ([8, 8, 8], [7, 3, 5])]
+    batch = collate([packed_row([1, 10], blocks, mismatch=[1, 0], n=3)], PADID, EOS, ar_prompt=False)
+    # Block 0 from offset 1: 5 -> 6, 6 -> 7 (the bridge to block 1); block 1: 7 -> 3, 3 -> 5, 5 -> past the end.
+    assert batch.pair_targets.tolist() == [6, 7, 3, 5, IGNORE]
+    logits = leaf_logits(batch)
+    flat = logits.reshape(-1, V)
+    kept = batch.pair_targets != IGNORE
+    expected = sum(
+        w * F.cross_entropy(flat[s], y)
+        for s, y, w in zip(batch.student_positions[kept], batch.pair_targets[kept], batch.pair_weights[kept])
+    )
+    loss = consistency_loss(logits, batch, temperature=2.0, target="fixed_point")
+    assert torch.allclose(loss, expected) and not torch.allclose(loss, consistency_loss(logits, batch, 2.0))
+    loss.backward()  # the student logits get the gradient; no teacher logit does (there is none)
+    teacher_grad = logits.grad.reshape(-1, V)[batch.teacher_positions]
+    assert torch.count_nonzero(teacher_grad) == 0 and torch.count_nonzero(logits.grad) > 0
