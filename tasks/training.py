@@ -176,22 +176,21 @@ def run_training(
             client(tracking).set_terminated(run_id, "FAILED")  # a rerun resumes it: RUNNING again
         raise
 
-    model = None
+    model, last = None, _last_metrics(out / METRICS)
     if run_id:
         model = logged_model(out)
         if model is None:
             mlflow = client(tracking)
             for name in (DEEPSPEED_CONFIG, METRICS, LAUNCH_FILE, LAUNCH_LOG):
                 mlflow.log_artifact(run_id, str(out / name), artifact_path=TRAINING)
-            last_step = _last_metrics(out / METRICS).get("step", 0)
-            model = log_model_by_path(tracking, run_id, out / FINAL, out, last_step)  # ends the run: FINISHED
+            model = log_model_by_path(tracking, run_id, out / FINAL, out, last.get("step", 0))  # ends the run
         else:
             client(tracking).set_terminated(run_id, "FINISHED")
         registered = (
             f", registered as {tracking.registered_model} v{model['version']}" if tracking.registered_model else ""
         )
         log(f"model in MLflow run {run_id}: {model['model_uri']}{registered}")
-    return TrainingResult(str(out), model, reused=False, metrics=_last_metrics(out / METRICS), mlflow_run_id=run_id)
+    return TrainingResult(str(out), model, reused=False, metrics=last, mlflow_run_id=run_id)
 
 
 def _join(

@@ -8,6 +8,8 @@ from typing import Literal
 from jfcore.config import check
 from jfcore.models import ModelConfig
 
+ConsistencyTarget = Literal["clean", "fixed_point"]  # what a noisy logit learns from (TrainConfig)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
@@ -75,7 +77,7 @@ class TrainConfig:
     # What a noisy logit learns from: the clean logit of the same forward, detached ("clean", the published
     # objective; it moves with the model), or the fixed point's token, fixed by the trajectories ("fixed_point":
     # hard cross-entropy, tau unused), which a model cannot meet by caring less about its context.
-    consistency_target: Literal["clean", "fixed_point"] = "clean"
+    consistency_target: ConsistencyTarget = "clean"
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
     gradient_checkpointing: bool = False

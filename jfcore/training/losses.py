@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from jfcore.training.batch import IGNORE, PackedBatch
+from jfcore.training.config import ConsistencyTarget
 
 
 @dataclass
@@ -37,25 +38,27 @@ def ar_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 
 
 def consistency_loss(
-    logits: torch.Tensor, batch: PackedBatch, temperature: float, target: str = "clean"
+    logits: torch.Tensor, batch: PackedBatch, temperature: float, target: ConsistencyTarget = "clean"
 ) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     if batch.student_positions.numel() == 0:
         return flat.sum() * 0.0
+    student = flat[batch.student_positions].float()
     if target == "fixed_point":
         targets = batch.pair_targets.to(flat.device)
-        per_pair = F.cross_entropy(
-            flat[batch.student_positions].float(), targets, ignore_index=IGNORE, reduction="none"
-        )
-        return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
-    student = F.log_softmax(flat[batch.student_positions].float() / temperature, dim=-1)
-    teacher = F.softmax(flat[batch.teacher_positions].detach().float() / temperature, dim=-1)
-    per_pair = -(teacher * student).sum(-1) * temperature**2
+        per_pair = F.cross_entropy(student, targets, ignore_index=IGNORE, reduction="none")
+    else:
+        teacher = F.softmax(flat[batch.teacher_positions].detach().float() / temperature, dim=-1)
+        per_pair = -(teacher * F.log_softmax(student / temperature, dim=-1)).sum(-1) * temperature**2
     return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
 
 
 def jacobi_forcing_loss(
-    logits: torch.Tensor, batch: PackedBatch, ar_weight: float, temperature: float, target: str = "clean"
+    logits: torch.Tensor,
+    batch: PackedBatch,
+    ar_weight: float,
+    temperature: float,
+    target: ConsistencyTarget = "clean",
 ) -> Losses:
     ar = ar_loss(logits, batch)
     pc = consistency_loss(logits, batch, temperature, target)
