@@ -104,8 +104,36 @@ static int buffer_push(Buffer *b, int64_t value) {
     return 0;
 }
 
-static int read_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t items, const char *what) {
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+/* a * b for a buffer's size, or -1 with an exception where either is negative or the product too large. */
+static Py_ssize_t product(Py_ssize_t a, Py_ssize_t b, const char *what) {
+    if (a < 0 || b < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: negative size (%zd x %zd)", what, a, b);
+        return -1;
+    }
+    if (b && a > PY_SSIZE_T_MAX / 16 / b) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd x %zd items is too large", what, a, b);
+        return -1;
+    }
+    return a * b;
+}
+
+/* A contiguous buffer of `items` items of `kind` ('f' float32, 'q' int64, 'b' bool), given typed (a NumPy array)
+   or as raw bytes (a bytearray); anything else is an error, never read. */
+static int read_buffer(PyObject *object, Py_buffer *view, char kind, Py_ssize_t items, const char *what) {
+    Py_ssize_t itemsize = kind == 'f' ? 4 : kind == 'q' ? 8 : 1;
+    if (items < 0) return -1; /* `product` said why */
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *format = view->format == NULL ? "B" : view->format;
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    int typed = kind == 'f' ? strcmp(format, "f") == 0
+                : kind == 'q' ? (strcmp(format, "q") == 0 || (strcmp(format, "l") == 0 && sizeof(long) == 8))
+                              : strcmp(format, "?") == 0;
+    if (!typed && strcmp(format, "B") != 0 && strcmp(format, "b") != 0 && strcmp(format, "c") != 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %s items (or raw bytes), got format '%s'", what,
+                     kind == 'f' ? "float32" : kind == 'q' ? "int64" : "bool", view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
     if (view->len != itemsize * items) {
         PyErr_Format(PyExc_ValueError, "%s: expected %zd bytes, got %zd", what, itemsize * items, view->len);
         PyBuffer_Release(view);
@@ -227,7 +255,11 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     Py_ssize_t max_candidates;
     int within, record; /* `lookup_within`; recording trajectories */
     if (!PyArg_ParseTuple(args, "O!Lnpp", &PyList_Type, &rows, &pad, &max_candidates, &within, &record)) return NULL;
-    Py_ssize_t n_rows = PyList_GET_SIZE(rows), stride = 2 + 2 * max_candidates, width = 0;
+    if (max_candidates < 0 || max_candidates > 1 << 16)
+        return PyErr_Format(PyExc_ValueError, "layout: max_candidates must be in [0, 65536], got %zd", max_candidates);
+    rows = PyList_AsTuple(rows); /* held: attribute reads cannot take a row away mid-step */
+    if (rows == NULL) return NULL;
+    Py_ssize_t n_rows = PyTuple_GET_SIZE(rows), stride = 2 + 2 * max_candidates, width = 0;
     int tree = 0;
     Buffer inputs = {0}, offsets = {0};
     Py_ssize_t *starts = PyMem_New(Py_ssize_t, n_rows + 1);
@@ -238,7 +270,7 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     int64_t *info = (int64_t *)PyByteArray_AS_STRING(meta);
     memset(info, 0, sizeof(int64_t) * n_rows * stride);
     for (Py_ssize_t b = 0; b < n_rows; b++) {
-        PyObject *row = PyList_GET_ITEM(rows, b);
+        PyObject *row = PyTuple_GET_ITEM(rows, b);
         starts[b] = inputs.length;
         PyObject *blocks = get_list(row, s_blocks);
         if (blocks == NULL) goto done;
@@ -306,6 +338,7 @@ done:
     Py_XDECREF(offsets_out);
     Py_XDECREF(valid_out);
     Py_XDECREF(meta);
+    Py_DECREF(rows);
     PyMem_Free(starts);
     PyMem_Free(committed);
     PyMem_Free(inputs.data);
@@ -359,20 +392,21 @@ static PyObject *greedy(PyObject *self, PyObject *args) {
     if (vocab < 1) return PyErr_Format(PyExc_ValueError, "an empty vocabulary");
     Py_buffer valid_view = {0}, logits_view = {0};
     const char *valid = NULL;
-    Py_ssize_t queries = n_rows * width;
+    Py_ssize_t cells = product(n_rows, width, "greedy: rows x width"), queries = cells;
+    if (cells < 0) return NULL;
     if (valid_object != Py_None) {
-        if (read_buffer(valid_object, &valid_view, 1, queries, "valid") < 0) return NULL;
+        if (read_buffer(valid_object, &valid_view, 'b', cells, "valid") < 0) return NULL;
         valid = valid_view.buf;
         queries = 0;
-        for (Py_ssize_t i = 0; i < n_rows * width; i++) queries += valid[i] != 0;
+        for (Py_ssize_t i = 0; i < cells; i++) queries += valid[i] != 0;
     }
     PyObject *out = NULL;
-    if (read_buffer(logits_object, &logits_view, (Py_ssize_t)sizeof(float) * vocab, queries, "logits") < 0) goto done;
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * n_rows * width);
+    if (read_buffer(logits_object, &logits_view, 'f', product(queries, vocab, "logits"), "logits") < 0) goto done;
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * cells);
     if (out == NULL) goto done;
     int64_t *choices = (int64_t *)PyByteArray_AS_STRING(out);
     const float *row = logits_view.buf;
-    for (Py_ssize_t i = 0; i < n_rows * width; i++) {
+    for (Py_ssize_t i = 0; i < cells; i++) {
         if (valid != NULL && !valid[i]) {
             choices[i] = 0;
             continue;
@@ -403,6 +437,22 @@ typedef struct {
     PyObject *row, *out, *blocks, *sizes;
     Py_ssize_t done, block_start, max_new_tokens;
 } State;
+
+/* The row's blocks are lists, one size each: what `consume`, `refill` and `carry_on` index without checks. */
+static int check_blocks(const State *s) {
+    Py_ssize_t blocks = PyList_GET_SIZE(s->blocks);
+    if (PyList_GET_SIZE(s->sizes) != blocks) {
+        PyErr_Format(PyExc_ValueError, "Row.sizes has %zd entries for %zd blocks: one full size per block in flight",
+                     PyList_GET_SIZE(s->sizes), blocks);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < blocks; j++)
+        if (!PyList_Check(PyList_GET_ITEM(s->blocks, j))) {
+            PyErr_SetString(PyExc_TypeError, "Row.blocks must be a list of lists");
+            return -1;
+        }
+    return 0;
+}
 
 static int is_eos(const Rules *rules, int64_t token) {
     for (Py_ssize_t i = 0; i < rules->n_eos; i++)
@@ -460,6 +510,7 @@ static int consume(const Rules *rules, State *s, Py_ssize_t count) {
             s->done += take;
             continue;
         }
+        if (PyList_GET_SIZE(s->sizes) == 0) return check_blocks(s); /* a callback changed the row: say how */
         Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(s->sizes, 0));
         if (size == -1 && PyErr_Occurred()) return -1;
         if (PyList_SetSlice(s->sizes, 0, 1, NULL) < 0 || PyList_SetSlice(s->blocks, 0, 1, NULL) < 0 ||
@@ -514,9 +565,28 @@ static int carry_on(const Rules *rules, State *s, int64_t next, int64_t guess, P
         return open_block(rules, s, next);
     }
     if (blocks < rules->in_flight) {
+        if (check_blocks(s) < 0) return -1;
         Py_ssize_t last = PyLong_AsSsize_t(PyList_GET_ITEM(s->sizes, PyList_GET_SIZE(s->sizes) - 1));
         if (last == -1 && PyErr_Occurred()) return -1;
         if ((double)progress >= rules->spawn_ratio * (double)last) return open_block(rules, s, guess);
+    }
+    return 0;
+}
+
+/* `layout`'s meta for row b, checked against the step: every slot it names lies within the row's `width`. */
+static int check_meta(const int64_t *info, Py_ssize_t stride, Py_ssize_t width, Py_ssize_t b) {
+    if (info[0] < 1 || info[0] > width || info[1] < 0 || info[1] > (stride - 2) / 2) {
+        PyErr_Format(PyExc_ValueError, "meta, row %zd: draft %lld and %lld candidates do not fit a step %zd wide", b,
+                     (long long)info[0], (long long)info[1], width);
+        return -1;
+    }
+    for (int64_t c = 0; c < info[1]; c++) {
+        int64_t start = info[2 + 2 * c], length = info[3 + 2 * c];
+        if (start < 1 || length < 0 || start > width || length > width - start) {
+            PyErr_Format(PyExc_ValueError, "meta, row %zd: candidate %lld at slot %lld, %lld long, is outside %zd", b,
+                         (long long)c, (long long)start, (long long)length, width);
+            return -1;
+        }
     }
     return 0;
 }
@@ -560,7 +630,7 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     if (s.out == NULL || s.blocks == NULL || s.sizes == NULL || get_int(row, s_done, &s.done) < 0 ||
         get_int(row, s_block_start, &s.block_start) < 0 || get_int(row, s_max_new_tokens, &s.max_new_tokens) < 0 ||
         get_int(row, s_verified, &verified) < 0 || get_int(row, s_forwards, &forwards) < 0 ||
-        get_int(row, s_recycled, &recycled) < 0)
+        get_int(row, s_recycled, &recycled) < 0 || check_blocks(&s) < 0)
         goto done;
     if (set_int(row, s_recycled, recycled + Py_MAX(0, kept - a)) < 0 || set_int(row, s_forwards, forwards + 1) < 0 ||
         set_int(row, s_verified, verified + kept) < 0)
@@ -626,12 +696,14 @@ static PyObject *verify(PyObject *self, PyObject *args) {
                           &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.record,
                           &rules.decoder))
         return NULL;
-    Py_ssize_t n_rows = PyList_GET_SIZE(rows);
+    rows = PyList_AsTuple(rows); /* held: callbacks into Python cannot take a row away mid-step */
+    if (rows == NULL) return NULL;
+    Py_ssize_t n_rows = PyTuple_GET_SIZE(rows);
     Py_buffer tokens = {0}, choices = {0}, meta = {0};
     PyObject *kept = NULL, *result = NULL;
     Buffer moved = {0}, eos_ids = {0};
     PyObject *eos_fast = PySequence_Fast(eos, "verify: eos must be a sequence of token ids");
-    if (eos_fast == NULL) return NULL;
+    if (eos_fast == NULL) goto done;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(eos_fast); i++) {
         int64_t token;
         if (as_token(PySequence_Fast_GET_ITEM(eos_fast, i), &token) < 0 || buffer_push(&eos_ids, token) < 0) {
@@ -641,17 +713,25 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     }
     Py_DECREF(eos_fast);
     rules.eos = eos_ids.data, rules.n_eos = eos_ids.length;
-    if (read_buffer(tokens_object, &tokens, sizeof(int64_t), n_rows * width, "tokens") < 0 ||
-        read_buffer(choices_object, &choices, sizeof(int64_t), n_rows * width, "choices") < 0 ||
+    Py_ssize_t cells = product(n_rows, width, "verify: rows x width");
+    if (cells < 0 || read_buffer(tokens_object, &tokens, 'q', cells, "tokens") < 0 ||
+        read_buffer(choices_object, &choices, 'q', cells, "choices") < 0 ||
         PyObject_GetBuffer(meta_object, &meta, PyBUF_C_CONTIGUOUS) < 0)
         goto done;
-    Py_ssize_t stride = n_rows ? meta.len / (Py_ssize_t)sizeof(int64_t) / n_rows : 0;
+    Py_ssize_t stride = n_rows ? meta.len / (Py_ssize_t)sizeof(int64_t) / n_rows : 2;
+    if (meta.len != (Py_ssize_t)sizeof(int64_t) * n_rows * stride || stride < 2 || stride % 2) {
+        PyErr_Format(PyExc_ValueError, "meta: expected %zd rows of 2 + 2 x candidates int64, got %zd bytes", n_rows,
+                     meta.len);
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < n_rows; b++)
+        if (check_meta((const int64_t *)meta.buf + b * stride, stride, width, b) < 0) goto done;
     kept = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * n_rows);
     if (kept == NULL) goto done;
     int64_t *counts = (int64_t *)PyByteArray_AS_STRING(kept);
     for (Py_ssize_t b = 0; b < n_rows; b++) {
         const int64_t *info = (const int64_t *)meta.buf + b * stride;
-        Py_ssize_t n = verify_row(&rules, PyList_GET_ITEM(rows, b), (const int64_t *)tokens.buf + b * width,
+        Py_ssize_t n = verify_row(&rules, PyTuple_GET_ITEM(rows, b), (const int64_t *)tokens.buf + b * width,
                                   (const int64_t *)choices.buf + b * width, info, b, &moved);
         if (n < 0) goto done;
         counts[b] = n;
@@ -664,6 +744,7 @@ done:
     if (choices.obj != NULL) PyBuffer_Release(&choices);
     if (meta.obj != NULL) PyBuffer_Release(&meta);
     Py_XDECREF(kept);
+    Py_DECREF(rows);
     PyMem_Free(moved.data);
     PyMem_Free(eos_ids.data);
     return result;

@@ -212,7 +212,7 @@ def _filtered_choice(
     `warp` then noise over the whole vocabulary, token for token, since removed tokens cannot win."""
     vocab = logits.shape[-1]
     limited = top_k > 0
-    width = min(vocab, max([64, *top_k[limited].tolist()]))  # every top-k token is a candidate
+    width = min(vocab, max([64, *top_k[limited].tolist()]))  # every top-k token is a candidate (ties: below)
     scale = temperature[:, None, None]
     # Top-p without top-k normalises over the whole vocabulary (with top-k, over the top-k tokens).
     whole = ~limited & (top_p < 1)
@@ -223,16 +223,21 @@ def _filtered_choice(
         tokens = logits.topk(width, dim=-1).indices  # the order of logits / T, T > 0
         values = logits.gather(-1, tokens).double() / scale  # descending
         keep = torch.ones_like(values, dtype=torch.bool)
+        tied_beyond = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
         if bool(limited.any()):
             kth = values.gather(-1, (top_k.clamp(1, width) - 1)[:, None, None].expand(-1, values.shape[1], 1))
             keep &= ~limited[:, None, None] | (values >= kth)
+            # Top-k keeps every token tied with the k-th (as transformers does): while the last candidate ties
+            # it, tokens beyond the candidates may too.
+            tied_beyond = limited[:, None] & (values[..., -1] >= kth[..., 0])
         # Top-p over the top-k survivors: a token stays while the mass ranked above it is below p.
         normaliser = torch.where(limited[:, None], values.masked_fill(~keep, -torch.inf).logsumexp(-1), everything)
         probs = (values - normaliser[..., None]).exp().masked_fill(~keep, 0.0)
         above = probs.cumsum(-1) - probs
         keep &= above < top_p[:, None, None]
-        # Covered: the first token outside the candidates would be removed (or top-k already removes it).
-        covered = limited[:, None] | (probs.sum(-1) >= top_p[:, None]) | (width == vocab)
+        # Covered: the first token outside the candidates would be removed: top-k removes it unless it may tie the
+        # k-th (then the top-k normaliser is incomplete too), else top-p does once the candidates hold mass p.
+        covered = torch.where(limited[:, None], ~tied_beyond, probs.sum(-1) >= top_p[:, None]) | (width == vocab)
         if bool(covered.all()):
             noisy = (values + gumbel(keys[..., None], tokens)).masked_fill(~keep, -torch.inf)
             return tokens.gather(-1, noisy.argmax(-1, keepdim=True)).squeeze(-1)

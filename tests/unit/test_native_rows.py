@@ -150,3 +150,28 @@ def test_the_c_step_says_what_is_wrong():
         CPromptLookup.__new__(CPromptLookup).extend([1, 2])
     with pytest.raises(ValueError, match="logits: expected 256 bytes"):
         _native.greedy(torch.zeros(2, 16).numpy(), None, 1, 1, 64)
+
+
+def test_malformed_arguments_to_the_c_step_raise_python_errors():
+    """Random and malformed arguments to `layout`, `greedy` and `verify` (meta naming slots past the step, sizes
+    that do not match the blocks, wrong buffer lengths and types, non-rows) give a result or a Python error, never
+    a crash: the fuzz runs in a process of its own, whose exit status would show one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.support.native_fuzz", "0", "3000"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        check=False,  # the exit status is the finding
+    )
+    assert run.returncode == 0, f"the fuzz process died ({run.returncode}): {run.stderr[-2000:]}"
+    outcomes = json.loads(run.stdout.splitlines()[-1])
+    for entry in ("layout", "greedy", "verify"):  # each entry point both worked and refused
+        assert outcomes.get(f"{entry}: result", 0) > 10, outcomes
+        assert sum(n for k, n in outcomes.items() if k.startswith(entry) and not k.endswith("result")) > 10, outcomes

@@ -116,6 +116,37 @@ def test_noise_for_the_filtered_candidates_only_picks_what_noise_for_every_token
         assert torch.equal(got, expected), case
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """200 tokens share the top logit (common in bfloat16) and top_k is 5: top-k keeps all 200, as transformers'
+    warper does, so draws spread over all of them; beside them, peaked rows with top-k and top-p. `choose` (which
+    looks at the top candidates only) picks what warping the whole vocabulary then adding noise picks."""
+    vocab, rows, width, tied = 1000, 6, 50, 200
+    rng = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, width, vocab, generator=rng).mul_(0.1).sub_(5.0)
+    logits[..., 100 : 100 + tied] = 2.0  # the same top value, bfloat16-exact
+    logits[3:, :, 100] = 3.0  # rows 3-5: one token above the tie, so the 5th is still in it
+    logits[4, :, 100] = 10.0  # row 4: that token holds over 0.9 of the mass, so top-p 0.9 keeps it alone
+    # (Which of the tied tokens a top-p cut inside the tie keeps depends on sort order, in transformers too.)
+    settings = [
+        Sampling(temperature=1.0, top_k=[5, 5, 1, 5, 5, 2][b], top_p=[1.0, 1.0, 1.0, 1.0, 0.9, 1.0][b], seed=b)
+        for b in range(rows)
+    ]
+    top_k = torch.tensor([s.top_k for s in settings])
+    warped = warp(logits, torch.ones(rows, dtype=torch.float64), top_k, torch.tensor([s.top_p for s in settings]))
+    reference = TopKLogitsWarper(5)(None, logits[0].double())
+    assert torch.equal(warped[0].isfinite(), reference.isfinite())
+    assert int(warped[0, 0].isfinite().sum()) == tied
+
+    positions = torch.arange(width).repeat(rows, 1)
+    got = choose(logits, settings, list(range(rows)), positions)
+    keys = noise_keys(torch.tensor([s.seed for s in settings]), torch.arange(rows), positions)
+    expected = (warped + gumbel(keys[..., None], torch.arange(vocab))).argmax(-1)
+    assert torch.equal(got, expected)
+    assert bool(((got >= 100) & (got < 100 + tied)).all()) and bool((got[4] == 100).all())
+    # 50 draws from 200 equally likely tokens reach past the first 64 of them (a cut at 64 never could).
+    assert int((got[0] >= 164).sum()) > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_every_method_returns_the_tokens_of_sequential_sampling(arch):
     """For random seeds and settings: AR, Jacobi, Jacobi and AR with prompt lookup and multiblock, row by row and
