@@ -180,7 +180,8 @@ def test_every_method_returns_the_tokens_of_sequential_sampling(arch):
 @pytest.mark.parametrize("batch_tensors", [False, True])
 def test_rows_with_their_own_settings_share_a_batch(batch_tensors, method):
     """A batch mixing greedy rows and sampled rows with their own temperature, top-k, top-p, seed and sample index
-    (as a server's requests do), with a row joining mid-decode: each row gets its own sequential-sampling tokens."""
+    (as a server's requests do), with a row joining mid-decode: each row gets its own sequential-sampling tokens,
+    row by row (the C step where built) and as batch tensors (forced: where the C step is built, it runs instead)."""
     m = tiny_model("qwen3")
     rng = random.Random(5)
     keys = [
@@ -195,7 +196,11 @@ def test_rows_with_their_own_settings_share_a_batch(batch_tensors, method):
     ]
     prompts = [[rng.randrange(1, 96) for _ in range(rng.randrange(2, 9))] for _ in keys]
     decoder = JacobiDecoder(m, DecodeConfig(**EXACT_METHODS[method], max_new_tokens=12), [], 0)
+    if batch_tensors:
+        decoder.batch_tensors_from = 1
+        decoder._step = None  # the row-by-row step: calling it would fail the test
     live = LiveBatch(decoder, batch_tensors=batch_tensors)
+    assert (live.plain is not None) == batch_tensors
     rows = live.add(prompts[:-1], None, keys[:-1])
     live.step()
     rows += live.add(prompts[-1:], None, keys[-1:])
