@@ -22,6 +22,7 @@ from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, check, from_dict
 from jfcore.contracts import EXPORT_METADATA
 from jfcore.decoding import DecodeConfig
+from jfcore.tuning.engine import EngineIdentity, this_engine
 from jfcore.tuning.machine import MachineIdentity
 
 DEFAULT_BLOCK_SIZE = 16  # a model with no training record of its own
@@ -58,6 +59,7 @@ class TunedBucket:
 class TunedDecoding:
     machine: MachineIdentity
     buckets: tuple[TunedBucket, ...]
+    engine: EngineIdentity | None = None  # the decoder code and kernel settings measured (None: an older tune)
     date: str = ""
     report: str = ""  # where the tuner wrote its full record (curve, surface, confirmed points)
 
@@ -124,9 +126,10 @@ def decoding_for(
 ) -> DecodeConfig:
     """The decoding configuration to use for `checkpoint` on `machine` at `batch_size` rows.
 
-    The model's tune for this machine and batch size; else (one log line says why) the untuned default: Jacobi at
-    the block size the model was trained at (16 for other models). `explicit` DecodeConfig keys override either; an
-    explicit method other than the tune's starts from the untuned default.
+    The model's tune for this machine and batch size, where it was measured by this decoder under the linear and
+    compile settings asked for; else (one log line says why) the untuned default: Jacobi at the block size the model
+    was trained at (16 for other models). `explicit` DecodeConfig keys override either; an explicit method other
+    than the tune's starts from the untuned default.
     """
     explicit = dict(explicit or {})
     values: dict[str, Any] = {"block_size": DEFAULT_BLOCK_SIZE}
@@ -139,7 +142,17 @@ def decoding_for(
         elif machine is None or (differences := tuned.machine.differences(machine)):
             why = "no machine given" if machine is None else "; ".join(differences)
             log(f"decoding: the model was tuned on another machine ({why}); using the untuned default")
+        elif stale := stale_engine(tuned, from_dict(DecodeConfig, {**values, **explicit}, "decoding")):
+            log(f"decoding: the model's tune is stale ({stale}); using the untuned default (run jf-tune again)")
         elif explicit.get("method", (chosen := tuned.bucket(batch_size).decoding).method) == chosen.method:
             values = {**values, **tuned_keys(chosen)}
         # else another method was asked for: the tune's settings belong to its own method and do not carry over
     return from_dict(DecodeConfig, {**values, **explicit}, "decoding")
+
+
+def stale_engine(tuned: TunedDecoding, config: DecodeConfig) -> str:
+    """Why `tuned` does not hold for decoding with `config` here ('' when it does): it was measured by other decoder
+    code, or under other linear or compile settings."""
+    if tuned.engine is None:
+        return "it records no decoder identity: made before tunes did"
+    return "; ".join(tuned.engine.differences(this_engine(config)))

@@ -27,10 +27,20 @@ from pathlib import Path
 from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNED_TAG, TUNING
+from jfcore.decoding import DecodeConfig
 from jfcore.evaluation.benchmarks import BenchmarkConfig
-from jfcore.metadata import TunedBucket, TunedDecoding, trained_block_size, tuned_decoding, tuned_keys, write_tuned
+from jfcore.metadata import (
+    TunedBucket,
+    TunedDecoding,
+    stale_engine,
+    trained_block_size,
+    tuned_decoding,
+    tuned_keys,
+    write_tuned,
+)
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import run_key
+from jfcore.tuning.engine import this_engine
 from jfcore.tuning.machine import this_machine
 from jfcore.tuning.tuner import TuneConfig, TuneResult
 from tasks.orchestration import get_run_logger, task
@@ -93,13 +103,16 @@ def _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log) ->
     if not checkpoint.is_dir():
         raise ConfigError(f"tuning: {model.name_or_path} is not a local checkpoint folder; tune a downloaded copy")
     machine = this_machine(model.device, model.dtype)
+    engine = this_engine(DecodeConfig())  # the tuner decodes with the default kernels
     folder = Path(out_root).resolve() / run_key(
-        model=source_fingerprint(model), tune=to_dict(config), machine=machine.as_dict()
+        model=source_fingerprint(model), tune=to_dict(config), machine=machine.as_dict(), engine=engine.as_dict()
     )
     existing = tuned_decoding(checkpoint)
     if existing and existing.report == str(folder) and not existing.machine.differences(machine):
         log(f"tuning: reused {folder} (this model was tuned on this machine with these settings)")
         return TuningResult(str(folder), str(checkpoint), _chosen(existing), reused=True)
+    if existing and not existing.machine.differences(machine) and (stale := stale_engine(existing, DecodeConfig())):
+        log(f"tuning: the model's tune of {existing.date} is stale ({stale}); measuring again")
 
     loaded, _ = load_model(model)
     tokenizer = load_tokenizer(model)
@@ -109,11 +122,12 @@ def _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log) ->
     with torch.inference_mode():
         result = run_tune(loaded, prompts, config, eos, pad, trained_n, log)
     folder.mkdir(parents=True, exist_ok=True)
-    record = report(result, config, model, [p.source for p in split])
+    record = report(result, config, model, [p.source for p in split]) | {"engine": engine.as_dict()}
     atomic_write(folder / REPORT_JSON, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
     plot(record, folder / REPORT_PLOT)
     tuned = TunedDecoding(
         machine=machine,
+        engine=engine,
         buckets=tuple(
             TunedBucket(b.batch_size, b.chosen.config, b.chosen.predicted, b.chosen.measured) for b in result.buckets
         ),

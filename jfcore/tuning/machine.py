@@ -23,12 +23,16 @@ class MachineIdentity:
         return asdict(self)
 
     def differences(self, other: MachineIdentity) -> list[str]:
-        """What differs from `other`, as `field: mine != theirs` lines (empty: the same machine)."""
-        return [
-            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
-            for name in self.__dataclass_fields__
-            if getattr(self, name) != getattr(other, name)
-        ]
+        return field_differences(self, other)
+
+
+def field_differences(mine, theirs) -> list[str]:
+    """What differs between two identities of one kind, as `field: mine != theirs` lines (empty: the same)."""
+    return [
+        f"{name}: {getattr(mine, name)!r} != {getattr(theirs, name)!r}"
+        for name in mine.__dataclass_fields__
+        if getattr(mine, name) != getattr(theirs, name)
+    ]
 
 
 def cpu_model() -> str:

@@ -11,8 +11,10 @@ from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.metadata import TunedBucket, TunedDecoding, decoding_for, tuned_decoding, write_tuned
+from jfcore.tuning import engine as engine_identity
 from jfcore.tuning.acceptance import greedy_pass, record_drafts
 from jfcore.tuning.cost import CostCurve, measure_curve
+from jfcore.tuning.engine import this_engine
 from jfcore.tuning.machine import this_machine
 from jfcore.tuning.predict import predict
 from jfcore.tuning.split import TuningSet, check_disjoint, load_split
@@ -77,6 +79,7 @@ def _tuned(machine, lookup_tokens=6):
     decoding = DecodeConfig(method="ar", block_size=1, lookup_tokens=lookup_tokens, lookup_ngram=2)
     return TunedDecoding(
         machine=machine,
+        engine=this_engine(DecodeConfig()),
         buckets=(TunedBucket(1, decoding, 1.4, 1.35), TunedBucket(8, DecodeConfig(method="ar"), 1.0, 1.0)),
     )
 
@@ -102,6 +105,27 @@ def test_the_tune_is_read_back_on_its_machine_and_only_there(tmp_path):
     fallback = decoding_for(tmp_path, elsewhere, 1, log=lines.append)
     assert (fallback.method, fallback.block_size, fallback.lookup_tokens) == ("jacobi", 12, 0)
     assert len(lines) == 1 and "another CPU" in lines[0] and "untuned default" in lines[0]
+
+
+def test_a_tune_holds_only_for_the_decoder_and_kernels_that_measured_it(tmp_path, monkeypatch):
+    """Applied under other linear or compile settings, measured by other decoder code, or recorded before tunes
+    named their decoder: the untuned default, and a log line that says why."""
+    (tmp_path / "jacobi_forcing.json").write_text(json.dumps({"block_size": 12}))
+    here = this_machine("cpu", "float32")
+    write_tuned(tmp_path, _tuned(here))
+    lines = []
+    assert decoding_for(tmp_path, here, 1, log=lines.append).lookup_tokens == 6 and not lines
+    for explicit, why in (({"linear": "torch"}, "linear: 'auto' != 'torch'"), ({"compile": "off"}, "compile: ")):
+        config = decoding_for(tmp_path, here, 1, explicit, log=lines.append)
+        assert (config.method, config.block_size, config.lookup_tokens) == ("jacobi", 12, 0)
+        assert "stale" in lines[-1] and why in lines[-1] and "jf-tune" in lines[-1]
+    monkeypatch.setattr(engine_identity, "decoder_digest", lambda: "0123456789abcdef")
+    assert decoding_for(tmp_path, here, 1, log=lines.append).lookup_tokens == 0
+    assert "decoder: " in lines[-1] and "0123456789abcdef" in lines[-1]
+    monkeypatch.undo()
+    write_tuned(tmp_path, replace(_tuned(here), engine=None))  # a tune from before tunes named their engine
+    assert decoding_for(tmp_path, here, 1, log=lines.append).lookup_tokens == 0
+    assert "records no decoder identity" in lines[-1]
 
 
 def test_an_unknown_key_in_the_tune_is_an_error_that_names_it(tmp_path):
@@ -131,7 +155,7 @@ def test_a_split_that_overlaps_an_evaluation_benchmark_is_refused():
     check_disjoint(default, [BenchmarkConfig(name=name) for name in ("gsm8k", "mbpp", "humaneval", "math500")])
 
 
-def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, capsys):
+def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, capsys, monkeypatch):
     model = save_tiny_checkpoint(tmp_path / "model")
     (model / "jacobi_forcing.json").write_text(json.dumps({"block_size": 4, "steps": 1}))
     config = tmp_path / "tune.yaml"
@@ -152,6 +176,14 @@ def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, cap
     assert report["buckets"][0]["chosen"]["measured_speedup"] == max(c["measured_speedup"] for c in confirmed)
     assert jf_tune(args) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["reused"] is True
+    assert report["engine"] == this_engine(DecodeConfig()).as_dict() == tuned.engine.as_dict()
+    # The decoder's code changed: the tune is stale, said so, and measured again under the new identity.
+    monkeypatch.setattr(engine_identity, "decoder_digest", lambda: "0123456789abcdef")
+    assert jf_tune(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.splitlines()[-1])["reused"] is False
+    assert "is stale (decoder: " in captured.out + captured.err
+    assert tuned_decoding(model).engine.decoder == "0123456789abcdef"
 
 
 def test_jf_tune_refuses_bad_input_with_a_message(tmp_path, capsys):
