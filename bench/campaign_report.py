@@ -42,9 +42,8 @@ from jfcore.contracts import (
     TRAINING,
     TRAJECTORIES,
 )
-from jfcore.environment import usable_cores
+from jfcore.environment import cpu_model, usable_cores
 from jfcore.training.checkpoints import read_metrics
-from jfcore.tuning.machine import cpu_model
 from tasks.plan import StagePlan
 from tasks.trajectories import newest_selection
 

@@ -27,6 +27,7 @@ from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
 from jfcore.decoding import decode, special_tokens
 from jfcore.decoding.config import COMPILE_MODES, LINEAR_MODES
+from jfcore.decoding.linear import faster_linear
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.slots import device_sync
 from jfcore.metadata import decoding_for
@@ -188,6 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_tps = t["hf_tokens"] / t["hf_seconds"]
         summary += f"; vs HF greedy: {t['identical']}/{len(prompts)} identical, speedup {tps / hf_tps:.2f}x"
     print(summary)
+    mode = faster_linear(model, config.linear) if args.device == "cpu" else None  # decided already: measures nothing
+    if mode is not None and mode.record is not None:
+        first = sorted(key for key, way in mode.choices.items() if way == "weight_first")
+        print(
+            f"linear layers: weight first for {len(first)} of {len(mode.choices)} product shapes, as recorded in "
+            f"{mode.record.path}" + (f" ({'; '.join(first)})" if first else "")
+        )
     if config.method != "ar" and not config.lookup_tokens and tpf < 1.5:
         print(
             "(TPF near 1: the model accepts about one draft token per forward, as an untrained model does; "

@@ -7,6 +7,7 @@ Each default yields to a value the environment already has, so a user's setting 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 CACHE_DIR = "JF_CACHE_DIR"  # converted models, fetched registry versions, DeepSpeed's JIT builds
@@ -40,6 +41,18 @@ def shared_data_dir() -> Path:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, which a container or `taskset` narrows)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    """The CPU's model name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def threads_per_process(processes: int) -> int:

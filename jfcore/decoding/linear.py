@@ -9,14 +9,16 @@ output head reads its 113 MB at 17 GB/s; the same products computed with the wei
 rows become the library's short dimension), cost 0.3-0.8 of that, and 2.3 ms instead of 6.8 for the head's one row
 (as two equal rows). On another host torch's own way may be the faster.
 
-So, by measurement: `faster_linear(model)` times both ways once on the model's largest weight, at 2 and 4 rows; if
-the weight-first way is clearly faster there, decode forwards over at most `MAX_ROWS` positions run under
-`FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
-untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times its first calls,
-the two ways taking turns (no product is computed twice), and uses the faster from then on. Other dtypes and
-devices, and products that need gradients, go to torch as they are. Both ways compute the same sums in another
-order: results agree to float rounding, which, like any kernel change, can flip a greedy choice only where the top
-two logits tie to rounding (the decoders' tests compare tokens with `generate`'s).
+So, by measurement, once per machine: `faster_linear(model)` times both ways on the model's largest weight, at 2
+and 4 rows; if the weight-first way is clearly faster there, decode forwards over at most `MAX_ROWS` positions run
+under `FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
+untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times the two ways on
+that product's operands before computing it, and uses the faster from then on. Both decisions are kept in this
+machine's kernel record (jfcore/decoding/kernel_record.py), so every later process computes the way recorded and
+the same command gives the same tokens in every process. Other dtypes and devices, and products that need
+gradients, go to torch as they are. Both ways compute the same sums in another order: results agree to float
+rounding, which, like any kernel change, can flip a greedy choice only where the top two logits tie to rounding
+(the decoders' tests compare tokens with `generate`'s).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from jfcore.decoding.kernel_record import KernelRecord, this_machines_record
 from jfcore.decoding.kv_cache import shape_bucket
 
 # Products of more rows go to torch unchanged: its kernels do about as well there (weight first gained 0-30% at
 # 32-128 rows on the host above), and a forward over more positions runs without the mode, whose Python dispatch
 # of every torch call costs a few percent of such a forward.
 MAX_ROWS = 32
-SAMPLES = 3  # timed calls of each way before a weight shape and row count's way is chosen
+SAMPLES = 3  # timed calls of each way, taking turns, before a weight shape and row count's way is chosen
 PROBE_ROWS = (2, 4)  # where `faster_linear` compares the two ways before using the mode at all
 GAIN = 1.25  # the weight-first way must be this much faster at a probe row count to be used
 # A model whose largest weight is smaller (4 MB in float32) keeps torch's way: its weights stay in cache, where the
@@ -76,23 +79,45 @@ def _seconds(way: Way, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return best
 
 
+def faster_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The way with the shortest of `SAMPLES` timed calls on these operands, the ways taking turns after one untimed
+    call each."""
+    seconds: dict[str, float] = {}
+    for name, way in WAYS.items():
+        way(x, weight, bias)
+        seconds[name] = float("inf")
+    for _ in range(SAMPLES):
+        for name, way in WAYS.items():
+            start = time.perf_counter()
+            way(x, weight, bias)
+            seconds[name] = min(seconds[name], time.perf_counter() - start)
+    return min(seconds, key=seconds.__getitem__)
+
+
+def product_key(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """A product's key in a kernel record: its weight's shape, its row count's bucket and the thread count."""
+    rows = shape_bucket(x.numel() // x.shape[-1])
+    return f"{weight.shape[0]}x{weight.shape[1]} rows {rows} threads {torch.get_num_threads()}"
+
+
 class FasterLinear(TorchFunctionMode):
     """While active (a context manager), every `F.linear` over at most `MAX_ROWS` float32 CPU rows without
     gradients runs the way chosen for its weight shape, row count (`shape_bucket` of it) and thread count.
 
-    The choice is measured on the key's own calls, none computed twice: until each way has run `SAMPLES` of them
-    (timed, the ways taking turns), then the way with the shortest call is kept in `choices` (which may be shared
-    between modes: what was measured holds for the host). `choose` (tests) decides instead of measuring."""
+    A key met for the first time is decided before its product is computed (`faster_way` on its operands), so
+    every product of a key runs one way: by `record`'s choice where one is given (measured once per machine, then
+    read), else measured for this mode alone. `choose` (tests) decides instead of measuring. `choices`: the way of
+    every key this mode has met."""
 
     def __init__(
         self,
-        choices: dict[tuple, str] | None = None,
+        record: KernelRecord | None = None,
         choose: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], str] | None = None,
     ):
         super().__init__()
-        self.choices: dict[tuple, str] = {} if choices is None else choices
+        self.record = record
         self.choose = choose
-        self.timings: dict[tuple, dict[str, list[float]]] = {}  # undecided keys: each way's timed calls
+        self.choices: dict[str, str] = {}
 
     def over(self, positions: int) -> contextlib.AbstractContextManager:
         """The context for a forward over `positions` (rows x queries): this mode, or none if every product would
@@ -107,24 +132,21 @@ class FasterLinear(TorchFunctionMode):
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if not _plain(x, weight, bias):
             return func(*args, **kwargs)
-        key = (tuple(weight.shape), shape_bucket(x.numel() // x.shape[-1]), torch.get_num_threads())
+        key = product_key(x, weight)
         way = self.choices.get(key)
-        if way is None and self.choose is not None:
-            way = self.choices[key] = self.choose(x, weight, bias)
         if way is None:
-            return self._measured(key, x, weight, bias)
+            way = self.choices[key] = self._decide(key, x, weight, bias)
         return WAYS[way](x, weight, bias)
 
-    def _measured(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        seconds = self.timings.setdefault(key, {name: [] for name in WAYS})
-        name = min(WAYS, key=lambda n: len(seconds[n]))  # the way with fewer timed calls so far
-        start = time.perf_counter()
-        out = WAYS[name](x, weight, bias)
-        seconds[name].append(time.perf_counter() - start)
-        if all(len(s) >= SAMPLES for s in seconds.values()):
-            self.choices[key] = min(seconds, key=lambda n: min(seconds[n]))
-            self.timings.pop(key, None)
-        return out
+    def _decide(self, key: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+        if self.choose is not None:
+            return self.choose(x, weight, bias)
+        if self.record is None:
+            return faster_way(x, weight, bias)
+        way = self.record.decide(key, lambda: faster_way(x, weight, bias))
+        if way not in WAYS:  # a record written by other code: measure here, without it
+            way = faster_way(x, weight, bias)
+        return str(way)
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -141,29 +163,30 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SHARED_CHOICES: dict[tuple, str] = {}
 
 
 def faster_linear(model: torch.nn.Module, setting: str = "auto") -> FasterLinear | None:
     """The mode `model`'s eager decode forwards run under for a `DecodeConfig.linear` setting: None for "torch",
     and for "auto" unless the model is float32 on a CPU, its largest linear weight has at least `MIN_WEIGHT`
-    elements and the weight-first way is at least `GAIN` times faster on it at a probe row count (measured once
-    per model)."""
+    elements and the weight-first way is at least `GAIN` times faster on it at a probe row count (measured once per
+    machine and weight shape, and recorded with the mode's choices in this machine's kernel record)."""
     if setting == "torch":
         return None
     if model not in _MODES:
-        _MODES[model] = FasterLinear(_SHARED_CHOICES) if _gains(model) else None
+        _MODES[model] = None
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
+        weight = max(weights, key=torch.Tensor.numel, default=None)
+        big = weight is not None and weight.numel() >= MIN_WEIGHT
+        if big and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            record = this_machines_record()
+            key = f"gains {weight.shape[0]}x{weight.shape[1]} threads {torch.get_num_threads()}"
+            if record.decide(key, lambda: _gains(weight)):
+                _MODES[model] = FasterLinear(record)
     return _MODES[model]
 
 
 @torch.inference_mode()
-def _gains(model: torch.nn.Module) -> bool:
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
-    if not weights:
-        return False
-    weight = max(weights, key=torch.Tensor.numel)
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < MIN_WEIGHT:
-        return False
+def _gains(weight: torch.Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=generator)

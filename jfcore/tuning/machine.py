@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import platform
 from dataclasses import asdict, dataclass
 
 import torch
 
-from jfcore.environment import usable_cores
+from jfcore.environment import cpu_model, usable_cores
 
 
 @dataclass(frozen=True)
@@ -33,17 +32,6 @@ def field_differences(mine, theirs) -> list[str]:
         for name in mine.__dataclass_fields__
         if getattr(mine, name) != getattr(theirs, name)
     ]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def this_machine(device: str | torch.device, dtype: str | torch.dtype) -> MachineIdentity:

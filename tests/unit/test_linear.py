@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode, jacobi
 from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.linear import MAX_ROWS, SAMPLES, WAYS, FasterLinear, faster_linear
+from jfcore.decoding.linear import MAX_ROWS, WAYS, FasterLinear, faster_linear, product_key
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
 
 
@@ -58,21 +58,22 @@ def test_the_mode_runs_the_chosen_way_and_chooses_once_per_shape(way):
     assert set(mode.choices.values()) == {way}
 
 
-def test_each_shape_and_row_bucket_is_measured_on_its_own_calls_then_decided():
+def test_each_shape_and_row_bucket_is_decided_before_its_first_product():
+    """Measured on the key's first operands before the product is computed, so every product of a key, the first
+    included, runs the one way kept; another row bucket is decided apart."""
     layer = torch.nn.Linear(96, 320)
     mode = FasterLinear()
-    key = ((320, 96), 6, torch.get_num_threads())
     with torch.inference_mode():
-        for i in range(2 * SAMPLES):
-            x = torch.randn(5 + i % 2, 96)  # 5 and 6 rows: one bucket
-            with mode:
-                out = layer(x)
-            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-            assert (key in mode.choices) == (i == 2 * SAMPLES - 1)  # decided once each way ran SAMPLES calls
-        assert mode.timings == {} and mode.choices[key] in WAYS
+        x = torch.randn(5, 96)
         with mode:
-            layer(torch.randn(7, 96))  # another bucket: measured apart
-    assert len(mode.timings) == 1 and len(mode.choices) == 1
+            first = layer(x)
+        key = product_key(x, layer.weight)
+        assert list(mode.choices) == [key] and key.startswith("320x96 rows 6 threads")
+        assert torch.equal(first, WAYS[mode.choices[key]](x, layer.weight, layer.bias))
+        with mode:
+            layer(torch.randn(6, 96))  # the same bucket: decided already
+            layer(torch.randn(7, 96))  # another bucket
+    assert len(mode.choices) == 2
 
 
 @pytest.mark.parametrize(
@@ -102,10 +103,10 @@ def test_forwards_over_more_positions_run_without_the_mode():
     x, weight, bias = operands((2,))
     with mode.over(MAX_ROWS + 1):
         F.linear(x, weight, bias)
-    assert mode.timings == {}  # the mode saw nothing
+    assert mode.choices == {}  # the mode saw nothing
     with mode.over(MAX_ROWS):
         F.linear(x, weight, bias)
-    assert len(mode.timings) == 1
+    assert len(mode.choices) == 1
 
 
 def test_small_models_and_torch_setting_run_no_mode():
@@ -153,3 +154,56 @@ def test_the_linear_probe_runs_on_the_thread_that_decodes(monkeypatch):
     worker.join()
     decoder.decode([[5, 6, 7]])
     assert probed_on == [worker]  # once, on the decoding thread
+
+
+def test_with_the_mode_on_every_method_is_its_own_ar_and_every_process_computes_the_recorded_way(tmp_path, monkeypatch):
+    """The mode on for a tiny model (its size threshold and gain lowered): the choices are measured once and kept in
+    this machine's kernel record; AR, Jacobi and multiblock under it give the project's own AR tokens; a second
+    process reads the record, measures nothing and gives the same tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jfcore.decoding import linear
+
+    monkeypatch.setenv("JF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(linear, "GAIN", 0.0)
+    model = tiny_model("llama")
+    prompts = [[7, 3, 9, 1, 4, 4, 2], [5], [11, 12, 13]]
+    ar = decode(model, prompts, DecodeConfig(method="ar", max_new_tokens=30), eos_token_id=[], pad_token_id=0)
+    mode = faster_linear(model)
+    assert mode is not None and mode.record is not None and mode.record.path.parent == tmp_path / "kernels"
+    for method in ("jacobi", "multiblock"):
+        config = DecodeConfig(method=method, block_size=5, max_new_tokens=30)
+        assert decode(model, prompts, config, eos_token_id=[], pad_token_id=0).sequences == ar.sequences, method
+    recorded = json.loads(mode.record.path.read_text())["choices"]
+    assert any(k.startswith("gains ") for k in recorded) and set(mode.choices.items()) <= set(recorded.items())
+    assert len({k.split(" rows ")[1] for k in mode.choices}) >= 3  # AR's products and wider ones went through it
+    before = mode.record.path.read_bytes()
+
+    script = f"""
+import json, torch
+from jfcore.decoding import DecodeConfig, decode, linear
+from tests.support.tiny_models import tiny_model
+linear.MIN_WEIGHT = 0
+torch.set_num_threads({torch.get_num_threads()})
+model = tiny_model("llama")
+config = DecodeConfig(method="ar", max_new_tokens=30)
+out = decode(model, {prompts!r}, config, eos_token_id=[], pad_token_id=0).sequences
+print(json.dumps([out, linear.faster_linear(model).choices]))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**__import__("os").environ, "JF_CACHE_DIR": str(tmp_path)},
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    tokens, choices = json.loads(run.stdout.splitlines()[-1])
+    assert tokens == ar.sequences
+    assert choices.items() <= recorded.items() and mode.record.path.read_bytes() == before  # read, not measured
