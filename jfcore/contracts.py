@@ -68,9 +68,15 @@ REPORT = "report"  # in an evaluation run folder: results.md, results.json, samp
 
 # Labels on results: the pooled benchmark's name in results tables, metric names, MLflow tags.
 ALL = "all"  # the benchmark label of the rows that pool every benchmark
-TABLE_METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup", "exact")  # per results-table row
+TABLE_METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup_vs_ar", "speedup", "exact")  # per row
 # A checkpoint's LoggedModel metrics (name -> table column), under its headline decoding method, per benchmark.
-MODEL_METRICS = {"accuracy": "accuracy", "tpf": "tpf", "tokens_per_s": "tps", "speedup": "speedup"}
+MODEL_METRICS = {
+    "accuracy": "accuracy",
+    "tpf": "tpf",
+    "tokens_per_s": "tps",
+    "speedup_vs_ar": "speedup_vs_ar",
+    "speedup": "speedup",
+}
 TAG = "jacobi_forcing."  # every MLflow tag the pipeline sets starts with it
 STAGE_TAG = TAG + "stage"  # a stage's run: its stage name
 FLOW_RUN_TAG, STAGES_TAG = TAG + "flow_run_id", TAG + "stages"  # the parent run: its Prefect run, the stages run

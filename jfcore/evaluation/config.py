@@ -14,6 +14,7 @@ from jfcore.models import ModelConfig
 # jacobi, multiblock: the fixed settings below; tuned: the model's tuned decoding for this machine (jfcore.metadata).
 MethodName = Literal["hf_greedy", "hf_prompt_lookup", "ar", "jacobi", "multiblock", "tuned"]
 REFERENCE = "hf_greedy"  # every other method's output is compared with this one's, model by model
+SAME_ENGINE_AR = "ar"  # the project's own AR: the same-engine baseline of every method's speedup_vs_ar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +30,7 @@ class DecodingSettings:
     """Every method is greedy; `jacobi` and `multiblock` share the DecodeConfig settings below (the fixed
     configuration); `tuned` reads each model's own tune (jfcore.metadata)."""
 
-    methods: tuple[MethodName, ...] = ("hf_greedy", "jacobi", "multiblock", "tuned")
+    methods: tuple[MethodName, ...] = ("hf_greedy", "ar", "jacobi", "multiblock", "tuned")
     max_new_tokens: int = DecodeConfig.max_new_tokens
     block_size: int = DecodeConfig.block_size
     num_blocks: int = DecodeConfig.num_blocks  # multiblock: blocks in flight

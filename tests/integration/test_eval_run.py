@@ -30,7 +30,7 @@ from tests.support.servers import mlflow_server
 from tests.support.tiny_models import save_tiny_checkpoint
 
 BENCHMARKS = [{"name": "gsm8k", "limit": 3, "seed": 1}, {"name": "humaneval", "limit": 3, "seed": 1}]
-METHODS = ("hf_greedy", "jacobi", "multiblock")  # the tuned method runs in the pipeline test, after a tune
+METHODS = ("hf_greedy", "ar", "jacobi", "multiblock")  # the tuned method runs in the pipeline test, after a tune
 DECODING = {"max_new_tokens": 24, "block_size": 4, "warmup_tokens": 4, "methods": list(METHODS)}
 
 
@@ -117,7 +117,7 @@ def test_stored_greedy_tokens_are_what_generate_returns(setup, evaluated):
 def test_table_rows_agree_with_the_samples(evaluated):
     result, samples, _ = evaluated
     table = result.table
-    assert len(table) == 3 * 2 * len(METHODS)  # gsm8k, humaneval, all x 2 models x 3 methods
+    assert len(table) == 3 * 2 * len(METHODS)  # gsm8k, humaneval, all x 2 models x 4 methods
     for r in table:
         rows = [
             s
@@ -128,8 +128,10 @@ def test_table_rows_agree_with_the_samples(evaluated):
         assert r["accuracy"] == pytest.approx(sum(s["correct"] for s in rows) / len(rows))
         assert r["new_tokens"] == sum(s["new_tokens"] for s in rows)
     base_greedy = {r["benchmark"]: r["tps"] for r in table if r["model"] == "base" and r["method"] == "hf_greedy"}
+    own_ar = {(r["benchmark"], r["model"]): r["tps"] for r in table if r["method"] == "ar"}
     for r in table:
         assert r["speedup"] == pytest.approx(r["tps"] / base_greedy[r["benchmark"]])
+        assert r["speedup_vs_ar"] == pytest.approx(r["tps"] / own_ar[r["benchmark"], r["model"]])
 
 
 def test_mlflow_holds_table_plots_metrics_and_the_model_link(setup, evaluated):

@@ -58,7 +58,9 @@ def test_bench_writes_every_method_and_project_methods_are_exact(tiny, prompts_f
     for name in PROJECT_METHODS:
         assert agg[name]["exact"] == 1.0, name  # lossless in float32
         assert agg[name]["first_divergence_min"] == min(lengths)  # equal outputs diverge at their length
-    assert agg["hf_greedy"]["speedup"] == pytest.approx(1.0)
+    assert agg["hf_greedy"]["speedup"] == pytest.approx(1.0) and agg["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    for name in agg:  # over the same model's AR: the same ratio of tokens/s, against another baseline
+        assert agg[name]["speedup_vs_ar"] == pytest.approx(agg[name]["tps"] / agg["ar"]["tps"])
     # AR: the prefill gives the first token, then one token per forward.
     assert agg["ar"]["decode_forwards"] == agg["ar"]["new_tokens"] - agg["ar"]["prompts"]
     assert 1.0 < agg["ar"]["tpf"] < 1.2

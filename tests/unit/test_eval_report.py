@@ -83,14 +83,32 @@ def test_speedup_is_relative_to_the_baseline_model_on_the_same_benchmark():
     assert all(r["speedup"] is None for r in summarize(without_baseline_greedy, baseline="base"))
 
 
+def test_speedup_vs_ar_is_over_the_same_models_own_ar_on_the_same_benchmark():
+    """Each model's methods against its own `ar` (the project's engine, same kernels); none without one."""
+    ar = [
+        sample("gsm8k", "base", "ar", 40, 38, 2.0, 8.0, True),  # 40 tokens in 10 s
+        sample("gsm8k", "trained", "ar", 40, 38, 1.0, 4.0, True),  # 40 tokens in 5 s
+        sample("gsm8k", "trained", "jacobi", 40, 10, 1.0, 1.5, True),  # 40 tokens in 2.5 s
+    ]
+    table = summarize(SAMPLES + ar, baseline="base")
+    assert row(table, "gsm8k", "base", "ar")["speedup_vs_ar"] == pytest.approx(1.0)
+    assert row(table, "gsm8k", "base", "jacobi")["speedup_vs_ar"] == pytest.approx((40 / 8.5) / (40 / 10))
+    assert row(table, "gsm8k", "base", "hf_greedy")["speedup_vs_ar"] == pytest.approx((40 / 15) / (40 / 10))
+    assert row(table, "gsm8k", "trained", "jacobi")["speedup_vs_ar"] == pytest.approx(2.0)  # its own AR, not base's
+    assert row(table, "gsm8k", "trained", "jacobi")["speedup"] == pytest.approx(16 / (40 / 15))
+    assert row(table, "mbpp", "base", "jacobi")["speedup_vs_ar"] is None  # no AR measured there
+    assert row(table, "all", "base", "jacobi")["speedup_vs_ar"] == pytest.approx((80 / 13.5) / (40 / 10))
+
+
 def test_markdown_says_whether_every_output_equals_greedy():
     table = summarize(SAMPLES, baseline="base")
-    text = markdown_table(table, SAMPLES)
-    assert "| gsm8k | base | jacobi | 2 | 50.0% | 0 | 2.50 | 4.7 | 6.2 | 1.76x | 50% |" in text
-    assert "| mbpp | base | jacobi | 2 | 50.0% | 1 | 5.00 | 8.0 | 13.3 | 4.00x | 100% |" in text
+    text = markdown_table(table, SAMPLES, "base")
+    assert "| vs own AR | vs base HF greedy | = HF greedy |" in text
+    assert "| gsm8k | base | jacobi | 2 | 50.0% | 0 | 2.50 | 4.7 | 6.2 | - | 1.76x | 50% |" in text
+    assert "| mbpp | base | jacobi | 2 | 50.0% | 1 | 5.00 | 8.0 | 13.3 | - | 4.00x | 100% |" in text
     assert "3/4 outputs identical (NOT all: 1 differ)" in text
     exact = [dict(s, exact=True) for s in SAMPLES]
-    assert "4/4 outputs identical (every one)" in markdown_table(summarize(exact, "base"), exact)
+    assert "4/4 outputs identical (every one)" in markdown_table(summarize(exact, "base"), exact, "base")
 
 
 def test_report_files(tmp_path):
