@@ -112,8 +112,8 @@ def test_every_stage_runs_without_servers_and_the_report_reads_what_they_wrote(s
     # float32 decoding is lossless at every point, and in the side-by-side evaluation and the check.
     assert all(row["exact"] == 1.0 for row in results["curve"])
     assert results["final"]["exact"]["equal"] == results["final"]["exact"]["checked"] > 0
-    # one problem, decoded by the three project methods (jacobi, multiblock, tuned)
-    assert results["fp32_check"]["exact"]["equal"] == results["fp32_check"]["exact"]["checked"] == 3
+    # one problem, decoded by the four project methods (ar, jacobi, multiblock, tuned)
+    assert results["fp32_check"]["exact"]["equal"] == results["fp32_check"]["exact"]["checked"] == 4
     markdown = (report / "results.md").read_text()
     assert "| n8@2 |" in markdown and "## Final evaluation" in markdown and "outputs identical (every one)" in markdown
     assert f"python -m flows.run {SMOKE} --set work_dir={work}" in markdown

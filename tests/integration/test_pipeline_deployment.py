@@ -172,7 +172,7 @@ def test_parquet_outputs(stack, two_runs):
     assert len(set(stats["heldout_prompts"])) == 3 and set(stats["heldout_prompts"]) <= {r["prompt_id"] for r in rows}
     [report] = list((work / "evaluation").glob("*/report"))
     samples = pq.read_table(report / "samples.parquet").to_pylist()
-    assert len(samples) == 3 * 2 * 4 and all(s["exact"] for s in samples)  # problems x models x methods
+    assert len(samples) == 3 * 2 * 5 and all(s["exact"] for s in samples)  # problems x models x methods
     assert (work / "training" / "latest" / "final" / "config.json").is_file()
     # The tuning stage wrote the trained model's tune for this machine, which evaluation's "tuned" method ran.
     from jfcore.metadata import tuned_decoding
