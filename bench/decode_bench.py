@@ -29,13 +29,13 @@ from jfcore.chat import encode_chat, read_jsonl
 from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
 from jfcore.decoding.slots import device_sync
+from jfcore.evaluation.config import SAME_ENGINE_AR
 from jfcore.evaluation.methods import Method, hf_method, project_method
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "hf_greedy"
-SAME_ENGINE = "ar"  # the project's own AR on the same kernels: the baseline of `speedup_vs_ar`
 NEAR_TIE = 1e-5  # a compiled kernel may flip a greedy token only where the top-2 logits are this close
 
 
@@ -210,7 +210,7 @@ def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
             "flip_margin_max": max(margins, default=None),
         }
     for agg in out.values():
-        agg["speedup_vs_ar"] = agg["tps"] / out[SAME_ENGINE]["tps"]  # what the method adds, same engine and kernels
+        agg["speedup_vs_ar"] = agg["tps"] / out[SAME_ENGINE_AR]["tps"]  # what the method adds, same engine and kernels
         agg["speedup"] = agg["tps"] / out[BASELINE]["tps"]  # kernels and method together
     return out
 

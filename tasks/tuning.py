@@ -103,15 +103,17 @@ def _tune(model, config, out_root, avoid, data_dir, tracking, model_uri, log) ->
     if not checkpoint.is_dir():
         raise ConfigError(f"tuning: {model.name_or_path} is not a local checkpoint folder; tune a downloaded copy")
     machine = this_machine(model.device, model.dtype)
-    engine = this_engine(DecodeConfig())  # the tuner decodes with the default kernels
+    kernels = DecodeConfig()  # the tuner decodes with the default kernels
+    engine = this_engine(kernels)
     folder = Path(out_root).resolve() / run_key(
         model=source_fingerprint(model), tune=to_dict(config), machine=machine.as_dict(), engine=engine.as_dict()
     )
     existing = tuned_decoding(checkpoint)
-    if existing and existing.report == str(folder) and not existing.machine.differences(machine):
+    here = existing is not None and not existing.machine.differences(machine)
+    if here and existing.report == str(folder):  # the folder's key holds the engine: the same one
         log(f"tuning: reused {folder} (this model was tuned on this machine with these settings)")
         return TuningResult(str(folder), str(checkpoint), _chosen(existing), reused=True)
-    if existing and not existing.machine.differences(machine) and (stale := stale_engine(existing, DecodeConfig())):
+    if here and (stale := stale_engine(existing, kernels)):
         log(f"tuning: the model's tune of {existing.date} is stale ({stale}); measuring again")
 
     loaded, _ = load_model(model)

@@ -68,20 +68,9 @@ def _weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 WAYS: dict[str, Way] = {"torch": _torch_way, "weight_first": _weight_first}
 
 
-def _seconds(way: Way, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
-    """The shortest of 3 timed calls, after one untimed (first-call allocations)."""
-    way(x, weight, bias)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        way(x, weight, bias)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def faster_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """The way with the shortest of `SAMPLES` timed calls on these operands, the ways taking turns after one untimed
-    call each."""
+def _best_seconds(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, float]:
+    """Each way's shortest of `SAMPLES` timed calls on these operands, the ways taking turns after one untimed call
+    each (first-call allocations)."""
     seconds: dict[str, float] = {}
     for name, way in WAYS.items():
         way(x, weight, bias)
@@ -91,6 +80,12 @@ def faster_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
             start = time.perf_counter()
             way(x, weight, bias)
             seconds[name] = min(seconds[name], time.perf_counter() - start)
+    return seconds
+
+
+def faster_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The way whose timed calls on these operands were the shortest."""
+    seconds = _best_seconds(x, weight, bias)
     return min(seconds, key=seconds.__getitem__)
 
 
@@ -189,7 +184,7 @@ def faster_linear(model: torch.nn.Module, setting: str = "auto") -> FasterLinear
 def _gains(weight: torch.Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, weight.shape[1], generator=generator)
-        if _seconds(_torch_way, x, weight, None) >= GAIN * _seconds(_weight_first, x, weight, None):
+        seconds = _best_seconds(torch.randn(rows, weight.shape[1], generator=generator), weight, None)
+        if seconds["torch"] >= GAIN * seconds["weight_first"]:
             return True
     return False
