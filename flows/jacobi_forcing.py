@@ -9,7 +9,8 @@ retraining"), records itself in MLflow, and returns a small typed result:
 - training: `training/<digest of the settings, launch, data and model>`, resumed
   while unfinished and reused once its export verifies; `resume: false` starts a
   new `training/<digest>.<n>` with a new MLflow run;
-- tuning: the trained model's fastest decoding on this machine, written into its
+- tuning: the fastest decoding on this machine of the trained model, and of the
+  base model and champion it is judged against, written into each one's
   jacobi_forcing.json (`tuning/<key>` holds the report), reused while the model
   was tuned here with the same settings;
 - evaluation: the trained model, the base model and the registry's champion side
@@ -71,7 +72,8 @@ class StageResults:
 class PipelineResult:
     model_fingerprint: str  # the base model's source fingerprint
     stages: dict[str, StageResults] = field(default_factory=dict)  # by curriculum stage (one without a curriculum)
-    tuning: TuningResult | None = None
+    tuning: TuningResult | None = None  # the trained model's tune
+    tunings: dict[str, TuningResult] = field(default_factory=dict)  # by evaluation label: trained, base, champion
     evaluation: EvaluationResult | None = None
     learning_curve: dict[str, EvaluationResult] | None = None  # by curve point (recipe evaluation.learning_curve)
     fp32_check: EvaluationResult | None = None
@@ -244,18 +246,29 @@ def _chain(
         result.nothing_changed = True
         return
     if "tuning" in chosen:
-        e = config.evaluation
+        # The trained model, and the models the gate compares it with under their own tunes: the base model and
+        # the champion (each reused while tuned on this machine with these settings).
+        # The bars' tunes are logged in their report folders; MLflow's `tuning` run is the trained model's.
+        e, rival = config.evaluation, champion.rivals(trained) if champion else None
+        jobs = {
+            "trained": (model, (trained.model or {}).get("model_uri"), tracking),
+            "base": (config.model, None, None),
+        }
+        if rival:
+            jobs["champion"] = (replace(config.model, name_or_path=rival[0], gguf_file=None), None, None)
         with _timed(config, "tuning"):
-            result.tuning = tuning_task(
-                model,
-                config.tuning,
-                str(config.path(TUNING)),
-                e.benchmarks,
-                e.data_dir,
-                tracking,
-                (trained.model or {}).get("model_uri"),
-                config.ray.cpus_per_worker,  # the evaluation workers' threads: the tune must hold where it is used
-            )
+            for label, (tuned_model, model_uri, logged) in jobs.items():
+                result.tunings[label] = tuning_task.with_options(name=f"{TUNING}-{label}")(
+                    tuned_model,
+                    config.tuning,
+                    str(config.path(TUNING)),
+                    e.benchmarks,
+                    e.data_dir,
+                    logged,
+                    model_uri,
+                    config.ray.cpus_per_worker,  # the evaluation workers' threads: the tune must hold where it is used
+                )
+        result.tuning = result.tunings["trained"]
     if "evaluation" in chosen:
         _evaluate(config, trained, champion, tracking, result)
         if "registry" in chosen and tracking.registry and result.evaluation:

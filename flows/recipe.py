@@ -14,7 +14,7 @@ stage's output under `work_dir`), so a recipe names only choices:
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
     # optional, in evaluation: learning_curve: {benchmarks: [...], max_new_tokens: 96}; fp32_check: 4
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
-    registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, require_exact: true}
+    registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, rounds: 3, require_exact: true}
     schedule: {cron: "0 3 * * 0"}
     retrain_from: base                             # or champion: retraining starts from the registry's champion
 
@@ -171,13 +171,13 @@ class Recipe:
         names = [s.name for s in self.curriculum]
         check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
         self.stages()  # unknown or invalid training keys (and stage values) fail here, at load
-        self.eval_config("trained")
         methods = self.evaluation.decoding.methods
         check(
             self.registry.method in methods,
             f"registry.method: {self.registry.method!r} is not evaluated; add it to evaluation.decoding.methods "
             f"({', '.join(methods)}) or choose one of those",
         )
+        self.eval_config("trained")
 
     def path(self, stage: str) -> Path:
         return Path(self.work_dir).expanduser().resolve() / stage
@@ -221,7 +221,13 @@ class Recipe:
         }
         if champion:
             models["champion"] = EvalModel(model=self._checkpoint(champion[0]), model_uri=champion[1])
-        return self._evaluation(EVALUATION, models, "base")
+        # The gate's method is timed in repeated interleaved rounds: its verdict needs the spread.
+        decoding = replace_checked(
+            self.evaluation.decoding,
+            timing_rounds=max(self.evaluation.decoding.timing_rounds, self.registry.rounds),
+            timed_methods=(self.registry.method,),
+        )
+        return self._evaluation(EVALUATION, models, "base", decoding=decoding)
 
     def curve_points(self) -> list[CurvePoint]:
         """Every model on the learning curve, in training order: the base model, then each stage's exports and

@@ -302,16 +302,21 @@ def results() -> None:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from tasks import RESULTS_ARTIFACT
+    from tasks import GATE_ARTIFACT, RESULTS_ARTIFACT
 
     prefect_port, mlflow_port = ports()
+    latest = {}
     with SyncPrefectClient(api=environment()["PREFECT_API_URL"]) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[RESULTS_ARTIFACT])),
-            sort=ArtifactSort.CREATED_DESC,
-            limit=1,
-        )
-    print(found[0].data if found else "no results yet: run `prefect deployment run jacobi-forcing/full`")
+        for key in (RESULTS_ARTIFACT, GATE_ARTIFACT):
+            found = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                sort=ArtifactSort.CREATED_DESC,
+                limit=1,
+            )
+            latest[key] = found[0].data if found else None
+    print(latest[RESULTS_ARTIFACT] or "no results yet: run `prefect deployment run jacobi-forcing/full`")
+    if latest[GATE_ARTIFACT]:
+        print(f"\n{latest[GATE_ARTIFACT]}")
     print(f"\nPrefect UI: http://127.0.0.1:{prefect_port}   MLflow UI: http://127.0.0.1:{mlflow_port}")
     from tasks.tracking import TrackingConfig, models_link
 

@@ -138,7 +138,8 @@ SAMPLE_SCHEMA = pa.schema(
         ("tpf", pa.float64()),
         ("tokens", pa.list_(pa.int32())),
         ("completion", pa.string()),
-        ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens
+        ("round_seconds", pa.list_(pa.float64())),  # prefill + decode seconds of each timing round, the first included
+        ("exact", pa.bool_()),  # tokens == the same model's HF greedy tokens, in every timing round
         ("first_divergence", pa.int32()),  # index of the first token that differs from them (the length if none)
         ("correct", pa.bool_()),
         ("verdict", pa.string()),  # code: passed, failed, timeout, load_error or error; math: correct or wrong

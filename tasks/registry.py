@@ -1,13 +1,17 @@
 """Model registry: the newly trained version becomes the `challenger`, and the `champion` when it passes the gate.
 
-The gate reads one evaluation in which the trained model, the base model and the
-current champion (if any) decoded the same problems side by side, pooled over
-all benchmarks under one decoding method. The bar is the champion, or with no
-champion yet the base model's greedy decoding (speedup 1). The trained model
-passes when it solves at most `max_accuracy_drop_problems` fewer problems than
-the bar, is faster than the bar by more than `min_speedup_gain`, and (with
-`require_exact`) every one of its outputs equals greedy decoding in a float32
-evaluation. The decision and its reason become tags of the version.
+The gate reads one evaluation in which the trained model, the base model and
+the current champion (if any) decoded the same problems side by side, pooled
+over all benchmarks under one decoding method (`tuned` by default: each model's
+own tune for this machine, on the same kernels). The bar is the champion, or
+with no champion yet the base model, under that same method, so the gate
+judges what training added rather than what the engine adds to any model.
+The evaluation times the method in `rounds` interleaved rounds per problem;
+the trained model passes when it solves at most `max_accuracy_drop_problems`
+fewer problems than the bar, is faster than the bar by more than
+`min_speedup_gain` in every round (a gain inside the rounds' spread is noise),
+and (with `require_exact`) every one of its outputs equals greedy decoding in
+a float32 evaluation. The decision and its reason become tags of the version.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import TYPE_CHECKING
 from jfcore.atomic import atomic_write
 from jfcore.config import check
 from jfcore.contracts import ALL, GATE_DECISION_TAG, GATE_FIGURES_TAG, GATE_REASON_TAG, REGISTRY
-from tasks.orchestration import get_run_logger, task
+from tasks import GATE_ARTIFACT
+from tasks.orchestration import get_run_logger, markdown_artifact, task
 from tasks.tracking import TrackingConfig, client
 
 if TYPE_CHECKING:  # the registry's configs load without the evaluation and training stacks
@@ -56,7 +61,8 @@ class Champion:
 class GateConfig:
     method: str = "tuned"  # the decoding method the models are compared under: each model's tune for this machine
     max_accuracy_drop_problems: int = 0  # the trained model may solve at most this many fewer problems than the bar
-    min_speedup_gain: float = 0.0  # its speedup must beat the bar's by more than this
+    min_speedup_gain: float = 0.0  # in every round its speed over the bar's must exceed 1 + this
+    rounds: int = 3  # interleaved timing rounds of `method` per problem (evaluation.decoding.timing_rounds)
     require_exact: bool = True  # every output equal to greedy decoding, checked in a float32 evaluation
 
     def __post_init__(self) -> None:
@@ -68,6 +74,7 @@ class GateConfig:
             self.max_accuracy_drop_problems >= 0,
             f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}",
         )
+        check(self.rounds >= 2, f"gate.rounds: the spread needs >= 2 timing rounds, got {self.rounds}")
 
 
 def pooled(table: list[dict], model: str, method: str) -> dict:
@@ -79,21 +86,32 @@ def _solved(row: dict) -> int:
     return round(row["accuracy"] * row["samples"])
 
 
+def round_ratios(new: dict, bar: dict) -> list[float]:
+    """The trained model's speed over the bar's in each timing round (both timed side by side in it)."""
+    return [a / b for a, b in zip(new.get("round_tps") or (), bar.get("round_tps") or ()) if b > 0]
+
+
 def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: bool) -> tuple[bool, str]:
     """Whether the `trained` rows of `table` pass the gate against `champion` (a model label of the table, or
-    None for the base model), and why, in one line."""
+    None for the base model), both under `gate.method`, and why, in one line."""
     new = pooled(table, "trained", gate.method)
-    if champion:
-        bar, who = pooled(table, CHAMPION, gate.method), f"champion {champion}"
-    else:
-        bar, who = pooled(table, "base", "hf_greedy") | {"speedup": 1.0}, "the base model (greedy)"
+    label, who = (CHAMPION, f"champion {champion}") if champion else ("base", "the base model")
+    bar = pooled(table, label, gate.method)
     solved, bar_solved = _solved(new), _solved(bar)
     accurate = solved >= bar_solved - gate.max_accuracy_drop_problems
-    faster = (
-        new["speedup"] is not None
-        and bar["speedup"] is not None
-        and new["speedup"] > bar["speedup"] + gate.min_speedup_gain
-    )
+    ratios = round_ratios(new, bar)
+    faster = len(ratios) >= gate.rounds and min(ratios) > 1 + gate.min_speedup_gain
+    if len(ratios) >= gate.rounds:
+        ordered = sorted(ratios)
+        speed = (
+            f"speed {ordered[len(ordered) // 2]:.3f}x {who}'s (median of {len(ratios)} interleaved rounds, spread "
+            f"{ordered[0]:.3f}x-{ordered[-1]:.3f}x; every round must exceed {1 + gate.min_speedup_gain:.3f}x)"
+        )
+    else:
+        speed = (
+            f"speed not comparable: the evaluation timed {len(ratios) or 1} round(s) of {gate.method}, the gate "
+            f"needs {gate.rounds} (evaluation.decoding.timing_rounds)"
+        )
     if not gate.require_exact:
         exact, exact_note = True, "exactness not required"
     elif not float32:
@@ -109,9 +127,9 @@ def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: b
         if not ok
     ]
     reason = (
-        f"{gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} of {who} (allowed drop "
-        f"{gate.max_accuracy_drop_problems}), speedup {_x(new['speedup'])} vs {_x(bar['speedup'])} (must gain more "
-        f"than {gate.min_speedup_gain:.2f}), {exact_note}"
+        f"{gate.method} vs {who}'s {gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} "
+        f"(allowed drop {gate.max_accuracy_drop_problems}), {speed}, {_x(new['speedup'])} vs {_x(bar['speedup'])} "
+        f"the base model's HF greedy, {exact_note}"
     )
     return not failed, (f"{'; '.join(failed)}: " if failed else "") + reason
 
@@ -212,4 +230,7 @@ def registry_task(
         return None
     rival = champion.version if champion and champion.rivals(trained) else None
     float32 = evaluation.dtypes.get("trained") == "float32"
-    return promote(tracking, trained.version, evaluation.table, gate, rival, float32, log=log.info)
+    result = promote(tracking, trained.version, evaluation.table, gate, rival, float32, log=log.info)
+    decision = f"promoted to {CHAMPION}" if result.promoted else f"stays {CHALLENGER}"
+    markdown_artifact(f"**gate**: v{result.version} {decision}: {result.reason}", GATE_ARTIFACT, "The registry gate")
+    return result

@@ -285,11 +285,12 @@ def tuning_task(
     out_root: str,
     avoid: tuple[BenchmarkConfig, ...],
     data_dir: str | None,
-    tracking: TrackingConfig,
+    tracking: TrackingConfig | None,
     model_uri: str | None = None,
     threads: int | None = None,
 ) -> TuningResult:
-    """The stage in a flow: tune the trained model before it is evaluated, with an evaluation worker's threads."""
+    """The stage in a flow: tune a model before it is evaluated (the trained model, and the base model and champion
+    it is judged against), with an evaluation worker's threads; `tracking` None logs no MLflow run."""
     log = get_run_logger().info
     return tune_checkpoint(model, config, out_root, avoid, data_dir, tracking, model_uri, threads, log)
 

@@ -39,6 +39,11 @@ class DecodingSettings:
     ngram_size: int = DecodeConfig.ngram_size
     warmup_tokens: int = 16  # each worker decodes this many tokens per model and method before timing
     prompt_lookup_tokens: int = 10  # hf_prompt_lookup: candidate tokens per step (HF's own default)
+    # Each problem is decoded `timing_rounds` times by the `timed_methods`, every round in its own interleaved order
+    # across models, so a comparison of two models' speeds carries its noise (the spread over rounds; the registry
+    # gate needs it). A later round must reproduce the first round's tokens, or the sample is not exact.
+    timing_rounds: int = 1
+    timed_methods: tuple[MethodName, ...] = ("tuned",)
 
     def __post_init__(self) -> None:
         check(
@@ -48,6 +53,12 @@ class DecodingSettings:
         check(len(set(self.methods)) == len(self.methods), f"decoding.methods: listed twice in {list(self.methods)}")
         check(self.max_new_tokens >= 1, f"decoding.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         check(self.warmup_tokens >= 0, f"decoding.warmup_tokens: must be >= 0, got {self.warmup_tokens}")
+        check(self.timing_rounds >= 1, f"decoding.timing_rounds: must be >= 1, got {self.timing_rounds}")
+        missing = [m for m in self.timed_methods if m not in self.methods]
+        check(
+            self.timing_rounds == 1 or not missing,
+            f"decoding.timed_methods: {missing} are not in decoding.methods {list(self.methods)}",
+        )
         for method in ("jacobi", "multiblock"):
             self.decode_config(method)  # DecodeConfig checks the values (block_size >= 1, ...)
 

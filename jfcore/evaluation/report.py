@@ -10,7 +10,8 @@
 | decode_tps | new tokens / wall seconds after the prefill |
 | speedup_vs_ar | tps / tps of the same model's AR in this project's engine (method `ar`, same kernels) on the same benchmark, measured side by side: what the method adds over one token per forward |
 | speedup | tps / tps of the baseline model's HF greedy on the same benchmark, measured side by side: kernels and method together |
-| exact | share of samples whose tokens equal the same model's HF greedy tokens |
+| exact | share of samples whose tokens equal the same model's HF greedy tokens (and, timed in several rounds, were the same in every round) |
+| round_tps | tps in each timing round (`decoding.timing_rounds`, for `decoding.timed_methods`), the first included; empty for one round |
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
                 "exact": mean(r["exact"] for r in rows),
                 "new_tokens": tokens,
                 "seconds": seconds,
+                "round_tps": round_tps(rows, tokens),
             }
         )
     reference = {
@@ -78,6 +80,14 @@ def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
         ar = own_ar.get((row["benchmark"], row["model"]), 0.0)
         row["speedup_vs_ar"] = row["tps"] / ar if ar > 0 else None
     return table
+
+
+def round_tps(rows: Sequence[dict], tokens: int) -> list[float]:
+    """tps in each timing round (decoding.timing_rounds) of every row, the first included; [] for one round."""
+    rounds = min(len(r.get("round_seconds") or ()) for r in rows)
+    if rounds < 2:
+        return []
+    return [tokens / sum(r["round_seconds"][k] for r in rows) for k in range(rounds)]
 
 
 def all_exact(samples: Iterable[dict]) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
 from jfcore.evaluation.benchmarks import Problem, Score
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
-from jfcore.evaluation.methods import Method, hf_method, project_method
+from jfcore.evaluation.methods import Method, Run, hf_method, project_method
 from jfcore.metadata import decoding_for, tuned_keys
 from jfcore.models import load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
 from jfcore.tuning.machine import this_machine
@@ -85,12 +85,22 @@ class Evaluator:
             turn = (offset + i) % len(self.pairs)
             order = self.pairs[turn:] + self.pairs[:turn]
             prompts = {label: encode_chat(m.tokenizer, problem.prompt) for label, m in self.models.items()}
-            runs = {
-                (label, method): self.models[label].methods[method]([prompts[label]], self.settings.max_new_tokens)
-                for label, method in order
-            }
-            rows += self._rows(problem, prompts, runs)
+            runs = {pair: self._decode(pair, prompts) for pair in order}
+            later = [self._later_round(r, order, prompts, runs) for r in range(1, self.settings.timing_rounds)]
+            rows += self._rows(problem, prompts, runs, later)
         return rows
+
+    def _decode(self, pair: tuple[str, str], prompts: dict) -> Run:
+        label, method = pair
+        return self.models[label].methods[method]([prompts[label]], self.settings.max_new_tokens)
+
+    def _later_round(self, r: int, order: list, prompts: dict, first: dict) -> dict:
+        """Round `r`: the timed methods decode the problem again, their order rotated by r; {pair: (seconds, same
+        tokens as the first round)}."""
+        timed = [(label, method) for label, method in order if method in self.settings.timed_methods]
+        timed = timed[r % len(timed) :] + timed[: r % len(timed)]
+        runs = {pair: self._decode(pair, prompts) for pair in timed}
+        return {pair: (run.seconds, run.sequences == first[pair].sequences) for pair, run in runs.items()}
 
     def _warm_up(self, problem: Problem) -> None:
         # One-off costs (allocator growth, lazy initialisation) stay out of the timings.
@@ -99,7 +109,7 @@ class Evaluator:
             model.methods[method]([encode_chat(model.tokenizer, problem.prompt)], self.settings.warmup_tokens)
         self.warm = True
 
-    def _rows(self, problem: Problem, prompts: dict, runs: dict) -> list[dict]:
+    def _rows(self, problem: Problem, prompts: dict, runs: dict, later: list[dict]) -> list[dict]:
         scores: dict[str, Score] = {}  # identical completions are scored once
         rows = []
         for label, method in self.pairs:
@@ -124,7 +134,10 @@ class Evaluator:
                     "tpf": len(tokens) / max(run.decode_forwards, 1),
                     "tokens": tokens,
                     "completion": text,
-                    "exact": tokens == reference,
+                    # seconds (prefill + decode) of every timing round; a round that decoded other tokens
+                    # makes the sample inexact: the method's output was not reproducible
+                    "round_seconds": [run.seconds] + [r[label, method][0] for r in later if (label, method) in r],
+                    "exact": tokens == reference and all(r[label, method][1] for r in later if (label, method) in r),
                     "first_divergence": first_divergence(tokens, reference),
                     "correct": score.correct,
                     "verdict": score.verdict,

@@ -124,8 +124,8 @@ def test_cancelled_run_resumes_from_cache_and_checkpoint(stack, two_runs):
     states = task_states(stack, two_runs["second"])
     assert "12 already decoded with this model and settings (reused), 0 to decode" in logs
     assert "packing: reused" in logs and "training: reused" not in logs  # training resumed, it was unfinished
-    stages = ("trajectories", "packing", "training", "tuning", "evaluation", "registry")
-    assert [states[s] for s in stages] == ["Completed"] * 6
+    stages = ("trajectories", "packing", "training", "tuning-trained", "tuning-base", "evaluation", "registry")
+    assert [states[s] for s in stages] == ["Completed"] * 7
     step = int(two_runs["kept"][-1].removeprefix("step-"))
     assert f"resumed from step {step} " in logs  # the training loop's own line, after loading the checkpoint
     assert step < STEPS  # it was cancelled before the end
@@ -178,9 +178,19 @@ def test_parquet_outputs(stack, two_runs):
     from jfcore.metadata import tuned_decoding
     from jfcore.tuning.machine import this_machine
 
-    tuned = tuned_decoding(work / "training" / "latest" / "final")
-    assert not tuned.machine.differences(replace(this_machine("cpu", "float32"), torch_threads=1))
-    assert Path(tuned.report).parent == work / "tuning" and (Path(tuned.report) / "tune.json").is_file()
+    # The base model, the gate's bar, was tuned too, into its own checkpoint.
+    for checkpoint in (work / "training" / "latest" / "final", stack["root"] / "base"):
+        tuned = tuned_decoding(checkpoint)
+        assert not tuned.machine.differences(replace(this_machine("cpu", "float32"), torch_threads=1))
+        assert Path(tuned.report).parent == work / "tuning" and (Path(tuned.report) / "tune.json").is_file()
+    # The gate's method was timed in 3 interleaved rounds, the others once.
+    assert {(s["method"], len(s["round_seconds"])) for s in samples} == {
+        ("hf_greedy", 1),
+        ("ar", 1),
+        ("jacobi", 1),
+        ("multiblock", 1),
+        ("tuned", 3),
+    }
 
 
 def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
@@ -230,7 +240,8 @@ def test_mlflow_parent_and_stage_runs_model_and_aliases(stack, two_runs):
     [record] = list(fetched.rglob("jacobi_forcing.json"))
     assert "tuned" in json.loads(record.read_text())
     assert version.tags["jacobi_forcing.gate.decision"] == ("promoted" if promoted else "rejected")
-    assert "of the base model (greedy)" in version.tags["jacobi_forcing.gate.reason"]
+    reason = version.tags["jacobi_forcing.gate.reason"]
+    assert "tuned vs the base model's tuned: " in reason and "median of 3 interleaved rounds, spread " in reason
 
 
 def test_scheduled_deployment_has_its_cron_and_concurrency_limit(stack, two_runs):
@@ -258,6 +269,10 @@ def test_results_table_is_a_prefect_artifact(stack, two_runs):
         timeout=scaled(120),
     ).stdout
     assert "| gsm8k | trained | tuned |" in out and "outputs identical (every one)" in out
+    assert "| gsm8k | base | tuned |" in out  # the gate's bar, tuned by the pipeline too
+    assert re.search(
+        r"\*\*gate\*\*: v1 (promoted to champion|stays challenger): .*tuned vs the base model's tuned", out
+    )
     assert f"MLflow UI: {stack['mlflow']}" in out
     assert f"Compare checkpoints (MLflow Models tab): {stack['mlflow']}/#/experiments/" in out
 

@@ -193,7 +193,7 @@ def test_appended_prompts_are_the_only_ones_decoded_and_gated_against_the_champi
         "gsm8k/trained/multiblock/accuracy",
     } <= set(newest.data.metrics)
     reason = s.mlflow.get_model_version(MODEL, "4").tags["jacobi_forcing.gate.reason"]
-    assert "of champion v1" in reason and "gate: v4 " in logs
+    assert "tuned vs champion v1's tuned: " in reason and "gate: v4 " in logs
 
 
 def test_two_runs_at_once_both_end_cleanly_one_after_the_other(story):
