@@ -280,9 +280,9 @@ def environment(model_config: ModelConfig) -> dict:
 
 def tuned_settings(model_config: ModelConfig, model, batch_size: int) -> dict:
     """The model's tune for this machine (DecodeConfig keys); an error when it has none."""
+    from jfcore.machine import this_machine
     from jfcore.metadata import decoding_for, tuned_decoding, tuned_keys
     from jfcore.models import resolve_checkpoint
-    from jfcore.tuning.machine import this_machine
 
     checkpoint = resolve_checkpoint(model_config)
     if not Path(checkpoint).is_dir() or tuned_decoding(checkpoint) is None:

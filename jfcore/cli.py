@@ -30,10 +30,10 @@ from jfcore.decoding.config import COMPILE_MODES, LINEAR_MODES
 from jfcore.decoding.linear import faster_linear
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.slots import device_sync
+from jfcore.machine import this_machine
 from jfcore.metadata import decoding_for
 from jfcore.models import ModelConfig, load_model, resolve_checkpoint
 from jfcore.paths import eval_prompts
-from jfcore.tuning.machine import this_machine
 
 DEFAULT_SETS = ("gsm8k", "humaneval", "mbpp")  # one prompt of each when no prompt is given
 

@@ -22,8 +22,7 @@ from jfcore.atomic import atomic_write
 from jfcore.config import ConfigError, check, from_dict
 from jfcore.contracts import EXPORT_METADATA
 from jfcore.decoding import DecodeConfig
-from jfcore.tuning.engine import EngineIdentity, this_engine
-from jfcore.tuning.machine import MachineIdentity
+from jfcore.machine import EngineIdentity, MachineIdentity, this_engine
 
 DEFAULT_BLOCK_SIZE = 16  # a model with no training record of its own
 # The decoding keys a tune chooses and stores; the rest of DecodeConfig (budget, seed, filler) is the caller's.

@@ -16,9 +16,9 @@ from mlflow.pyfunc import PythonModel
 
 class JacobiForcingModel(PythonModel):
     def load_context(self, context) -> None:
+        from jfcore.machine import this_machine
         from jfcore.metadata import decoding_for
         from jfcore.models import ModelConfig, load_model
-        from jfcore.tuning.machine import this_machine
 
         self.checkpoint = context.artifacts["checkpoint"]
         self.model, self.tokenizer = load_model(ModelConfig(name_or_path=self.checkpoint))

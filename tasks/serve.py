@@ -92,11 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from jfcore.machine import this_machine
     from jfcore.metadata import decoding_for
     from jfcore.models import load_model, resolve_checkpoint
     from jfcore.serving.engine import Engine
     from jfcore.serving.server import ServedModel, create_app
-    from jfcore.tuning.machine import this_machine
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

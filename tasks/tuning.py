@@ -29,6 +29,7 @@ from jfcore.config import ConfigError, from_dict, to_dict
 from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNED_TAG, TUNING
 from jfcore.decoding import DecodeConfig
 from jfcore.evaluation.benchmarks import BenchmarkConfig
+from jfcore.machine import this_engine, this_machine
 from jfcore.metadata import (
     TunedBucket,
     TunedDecoding,
@@ -40,8 +41,6 @@ from jfcore.metadata import (
 )
 from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
 from jfcore.shards import run_key
-from jfcore.tuning.engine import this_engine
-from jfcore.tuning.machine import this_machine
 from jfcore.tuning.tuner import TuneConfig, TuneResult
 from tasks.orchestration import get_run_logger, task
 from tasks.tracking import TrackingConfig, client, stage_run

@@ -18,9 +18,9 @@ from jfcore.decoding.reference import first_divergence
 from jfcore.evaluation.benchmarks import Problem, Score
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
 from jfcore.evaluation.methods import Method, Run, hf_method, project_method
+from jfcore.machine import this_machine
 from jfcore.metadata import decoding_for, tuned_keys
 from jfcore.models import load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
-from jfcore.tuning.machine import this_machine
 
 
 @dataclass

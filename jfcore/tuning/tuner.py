@@ -24,9 +24,9 @@ from jfcore.config import check
 from jfcore.decoding import DecodeConfig
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.slots import device_sync
+from jfcore.machine import MachineIdentity, this_machine
 from jfcore.tuning.acceptance import Acceptance, greedy_pass, record_drafts
 from jfcore.tuning.cost import DEFAULT_WIDTHS, CostCurve, measure_curve
-from jfcore.tuning.machine import MachineIdentity, this_machine
 from jfcore.tuning.predict import Prediction, family, predict
 from jfcore.tuning.split import DEFAULT_SPLIT, TuningSet
 

@@ -7,15 +7,14 @@ from dataclasses import replace
 
 import pytest
 
+from jfcore import machine as engine_identity
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.evaluation.benchmarks import BenchmarkConfig
+from jfcore.machine import this_engine, this_machine
 from jfcore.metadata import TunedBucket, TunedDecoding, decoding_for, tuned_decoding, write_tuned
-from jfcore.tuning import engine as engine_identity
 from jfcore.tuning.acceptance import greedy_pass, record_drafts
 from jfcore.tuning.cost import CostCurve, measure_curve
-from jfcore.tuning.engine import this_engine
-from jfcore.tuning.machine import this_machine
 from jfcore.tuning.predict import predict
 from jfcore.tuning.split import TuningSet, check_disjoint, load_split
 from tasks.tuning import main as jf_tune
