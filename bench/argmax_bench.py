@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS
 from jfcore.decoding.sampling import greedy_argmax
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [
     (64, 1, 2048),
     (64, 16, 2048),

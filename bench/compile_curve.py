@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS
 from jfcore.decoding.linear import FasterLinear, faster_linear
 from jfcore.decoding.sampling import greedy_argmax
 from jfcore.decoding.slots import SlotBatch
 from jfcore.models import ModelConfig, load_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
 COMPILED = ("inductor", "inductor-frozen", "inductor-dynamic")
 BESIDE = (*COMPILED, "linear-auto", "bfloat16")
 

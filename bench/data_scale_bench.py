@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import RESULTS
+
 BLOCKS, BLOCK_SIZE, STATES, SHARDS = 8, 16, 3, 8
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.common import RESULTS, Prompt, environment, top2_gap, tuned_settings
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
@@ -34,7 +33,6 @@ from jfcore.evaluation.methods import Method, hf_method, project_method
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "hf_greedy"
 NEAR_TIE = 1e-5  # a compiled kernel may flip a greedy token only where the top-2 logits are this close
 
@@ -55,13 +53,6 @@ class BenchSettings:
     compile: bool = False  # also each project method with compile="inductor" (named "<method>+inductor")
     lookup_tokens: int = 0  # > 0: also AR with prompt-lookup candidates of this many tokens, 3-gram match ("ar+L2g3")
     torch_linear: bool = False  # also each project method with linear="torch" (named "<method>+torch_linear")
-
-
-@dataclass
-class Prompt:
-    source: str  # the prompt set it came from (results are also broken down by it)
-    text: str
-    ids: list[int]
 
 
 def project_configs(s: BenchSettings) -> dict[str, dict]:
@@ -149,7 +140,7 @@ def run_bench(
                         "exact": [x == r for x, r in zip(run.sequences, reference)],
                         "first_divergence": [first_divergence(x, r) for x, r in zip(run.sequences, reference)],
                         "divergence_margin": [
-                            None if x == r else tie_margin(model, p, r[: first_divergence(x, r)])
+                            None if x == r else top2_gap(model, p, r[: first_divergence(x, r)])
                             for p, x, r in zip(ids, run.sequences, reference)
                         ],
                     }
@@ -167,16 +158,6 @@ def run_bench(
         "by_source": {src: aggregate([r for r in records if r["source"] == src], names) for src in sources},
         "batches": records,
     }
-
-
-def tie_margin(model, prompt: list[int], prefix: list[int]) -> float:
-    """The model's (eager) top-2 logit margin for the token after `prompt + prefix`: how close to a tie the
-    position was where a method's output left the reference."""
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + prefix], device=device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
 
 
 def aggregate(records: list[dict], names: list[str]) -> dict[str, dict]:
@@ -262,35 +243,6 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
     else:
         texts = [(name, t) for name in ("gsm8k", "humaneval") for t in eval_prompts(name, args.limit, args.data_dir)]
     return [Prompt(source, text, encode_chat(tokenizer, text)) for source, text in texts]
-
-
-def environment(model_config: ModelConfig) -> dict:
-    cuda = model_config.device.startswith("cuda")
-    return {
-        "model": asdict(model_config),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "host_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
-def tuned_settings(model_config: ModelConfig, model, batch_size: int) -> dict:
-    """The model's tune for this machine (DecodeConfig keys); an error when it has none."""
-    from jfcore.machine import this_machine
-    from jfcore.metadata import decoding_for, tuned_decoding, tuned_keys
-    from jfcore.models import resolve_checkpoint
-
-    checkpoint = resolve_checkpoint(model_config)
-    if not Path(checkpoint).is_dir() or tuned_decoding(checkpoint) is None:
-        raise SystemExit(
-            f"--tuned: {model_config.name_or_path} has no tune; run jf-tune --model {model_config.name_or_path}"
-        )
-    machine = this_machine(next(model.parameters()).device, model.dtype)
-    return tuned_keys(decoding_for(checkpoint, machine, batch_size))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

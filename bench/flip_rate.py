@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import top2_gap
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode, special_tokens
 from jfcore.decoding.reference import first_divergence, hf_generate
@@ -36,14 +37,6 @@ METHODS: dict[str, dict] = {
     "multiblock-n8-k2": {"method": "multiblock", "block_size": 8, "num_blocks": 2, "ngram_size": 8},
     "ar+lookup2": {"method": "ar", "lookup_tokens": 2},
 }
-
-
-def top2_gap(model, prompt: list[int], prefix: list[int]) -> float:
-    """HF's own logit gap between its top two tokens after `prompt + prefix` (float32, one forward)."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + prefix])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from bench.common import RESULTS
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode, special_tokens
 from jfcore.decoding.config import LINEAR_MODES
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import eval_prompts
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.short_forward:
-        from bench.step_overhead import prompts_for, short_forward_model
+        from bench.common import prompts_for, short_forward_model
 
         model = short_forward_model()
         prompts = prompts_for(args.batch, model.config.vocab_size, args.batch)

@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from bench.step_overhead import RESULTS, prompts_for, short_forward_model
+from bench.common import RESULTS, prompts_for, short_forward_model
 from jfcore.decoding import DecodeConfig
 from jfcore.decoding.jacobi import BATCH_TENSOR_ROWS, LOOKUP_BATCH_TENSOR_ROWS, JacobiDecoder
 from jfcore.decoding.lookup import PromptLookup

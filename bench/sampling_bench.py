@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_bench import Prompt, environment, tuned_settings
+from bench.common import RESULTS, Prompt, environment, tuned_settings
 from jfcore.chat import encode_chat
 from jfcore.decoding import special_tokens
 from jfcore.evaluation.methods import hf_method, project_method
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> Path:

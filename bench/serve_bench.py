@@ -36,11 +36,9 @@ from pathlib import Path
 
 import openai
 
-from bench.shared_prefix_bench import few_shot_system
+from bench.common import RESULTS, few_shot_system
 from jfcore.paths import default_data_dir, eval_prompts
 from tasks.serve_process import jf_serve, prometheus_value
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass

@@ -18,26 +18,16 @@ import platform
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, few_shot_system, top2_gap
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode, special_tokens
 from jfcore.decoding.jacobi import JacobiDecoder
 from jfcore.decoding.scheduler import LiveBatch
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def few_shot_system(examples: int, data_dir: Path) -> str:
-    """A system prompt of `examples` solved GSM8K train problems."""
-    path = data_dir / "prompts" / "gsm8k_train.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()[:examples]]
-    shots = "\n\n".join(f"Question: {r['prompt']}\nAnswer: {r['solution']}" for r in records)
-    return f"Solve each grade-school math problem step by step, as in these examples.\n\n{shots}"
 
 
 def kv_bytes(model, prompts: list[list[int]], config: DecodeConfig) -> int:
@@ -53,10 +43,7 @@ def kv_bytes(model, prompts: list[list[int]], config: DecodeConfig) -> int:
 def margin_at_divergence(model, prompt: list[int], a: list[int], b: list[int]) -> dict:
     """Where two outputs first differ, and the reference forward's top-2 logit margin there."""
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + a[:at]])).logits[0, -1].float()
-    top = logits.topk(2).values
-    return {"position": at, "top2_margin": float(top[0] - top[1])}
+    return {"position": at, "top2_margin": top2_gap(model, prompt, a[:at])}
 
 
 def main() -> None:

@@ -22,49 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.common import RESULTS, prompts_for, short_forward_model
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.evaluation.methods import hf_method
 
-RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = {
     "ar": DecodeConfig(method="ar"),
     "jacobi": DecodeConfig(method="jacobi"),
     "multiblock": DecodeConfig(method="multiblock"),
     "ar+lookup": DecodeConfig(method="ar", lookup_tokens=2, lookup_ngram=3),  # the tuned CPU default (ar+L2g3)
 }
-
-
-def short_forward_model(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
-    """Small layers (two by default) and a small vocabulary: a forward short enough that host work shows, as on a
-    GPU. The decoder's cache work is per layer, so `layers` = 30 (SmolLM2-135M's depth) shows that part at a real
-    model's size."""
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
-def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(32, 97))] for _ in range(batch)]
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:

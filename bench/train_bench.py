@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.decode_bench import RESULTS, environment
+from bench.common import RESULTS, environment
 from jfcore.models import ModelConfig, load_tokenizer
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource

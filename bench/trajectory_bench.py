@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray
 import transformers
 
-from bench.decode_bench import RESULTS, environment
+from bench.common import RESULTS, environment
 from jfcore.contracts import Selection
 from jfcore.models import ModelConfig
 from jfcore.prompts import PromptSource
