@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "tokens.jsonl"
-    done = {json.loads(line)["problem"]: json.loads(line) for line in store.open()} if store.is_file() else {}
+    records = [json.loads(line) for line in store.open()] if store.is_file() else []
+    done = {record["problem"]: record for record in records}
     todo = [p for p in problems if f"{p.benchmark}/{p.id}" not in done]
     with store.open("a") as file:
         for start in range(0, len(todo), args.batch):
@@ -123,8 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 done[key] = {"problem": key, "tokens": tokens, "gaps": gaps}
                 file.write(json.dumps(done[key]) + "\n")
-                differing = [name for name in METHODS if tokens[name] != ref]
-                print(f"[{len(done)}/{len(problems)}] {key}: {len(ref)} tokens, differ from HF: {differing or 'none'}")
+                print(f"[{len(done)}/{len(problems)}] {key}: {len(ref)} tokens, differ from HF: {list(gaps) or 'none'}")
             file.flush()
     records = [done[f"{p.benchmark}/{p.id}"] for p in problems]
     methods = list(METHODS)

@@ -100,8 +100,9 @@ def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: b
     solved, bar_solved = _solved(new), _solved(bar)
     accurate = solved >= bar_solved - gate.max_accuracy_drop_problems
     ratios = round_ratios(new, bar)
-    faster = len(ratios) >= gate.rounds and min(ratios) > 1 + gate.min_speedup_gain
-    if len(ratios) >= gate.rounds:
+    measured = len(ratios) >= gate.rounds
+    faster = measured and min(ratios) > 1 + gate.min_speedup_gain
+    if measured:
         ordered = sorted(ratios)
         speed = (
             f"speed {ordered[len(ordered) // 2]:.3f}x {who}'s (median of {len(ratios)} interleaved rounds, spread "
@@ -166,10 +167,13 @@ def promote(
     mlflow.set_registered_model_alias(name, CHALLENGER, version)
     if passed:
         mlflow.set_registered_model_alias(name, CHAMPION, version)
-        log(f"gate: v{version} promoted to {CHAMPION}: {reason}")
-    else:
-        log(f"gate: v{version} stays {CHALLENGER}, {reason}")
+    log(f"gate: {verdict(version, passed, reason)}")
     return RegistryResult(version, passed, reason, version if passed else champion)
+
+
+def verdict(version: str, passed: bool, reason: str) -> str:
+    """The gate's decision on `version` in one line: what the flow log and the gate artifact say."""
+    return f"v{version} {f'promoted to {CHAMPION}' if passed else f'stays {CHALLENGER}'}: {reason}"
 
 
 def champion_version(tracking: TrackingConfig) -> str | None:
@@ -231,6 +235,5 @@ def registry_task(
     rival = champion.version if champion and champion.rivals(trained) else None
     float32 = evaluation.dtypes.get("trained") == "float32"
     result = promote(tracking, trained.version, evaluation.table, gate, rival, float32, log=log.info)
-    decision = f"promoted to {CHAMPION}" if result.promoted else f"stays {CHALLENGER}"
-    markdown_artifact(f"**gate**: v{result.version} {decision}: {result.reason}", GATE_ARTIFACT, "The registry gate")
+    markdown_artifact(f"**gate**: {verdict(result.version, result.promoted, result.reason)}", GATE_ARTIFACT, "The gate")
     return result
