@@ -9,7 +9,7 @@ cache), one forward of q new positions for each q and each variant:
 - inductor: `torch.compile(model, dynamic=False)` (one graph per shape: q and the cache length are fixed here)
 - inductor-frozen: the same with inductor's weight freezing (constant-folded, prepacked weights)
 - inductor-dynamic: `dynamic=True`, one graph for every q and cache length (what a decoder could use as is)
-- linear-auto: eager, with linear layers as `DecodeConfig.linear="auto"` runs them (jfcore/decoding/linear.py:
+- linear-auto: eager, with linear layers as `DecodeConfig.linear="auto"` runs them (jfcore/decoding/runner/linear.py:
   products over a few rows computed weight first where that measures faster)
 - bfloat16: eager, a copy of the model in bfloat16 (on a CPU with bfloat16 matrix instructions its curve can be far
   flatter than float32's; its greedy tokens are not float32's)
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS
-from jfcore.decoding.linear import FasterLinear, faster_linear
+from jfcore.decoding.runner.linear import FasterLinear, faster_linear
+from jfcore.decoding.runner.slots import SlotBatch
 from jfcore.decoding.sampling import greedy_argmax
-from jfcore.decoding.slots import SlotBatch
 from jfcore.models import ModelConfig, load_model
 
 COMPILED = ("inductor", "inductor-frozen", "inductor-dynamic")

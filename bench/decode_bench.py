@@ -2,7 +2,7 @@
 and HF prompt-lookup decoding, on one model and one prompt set, in ONE interleaved run.
 
 Every batch of prompts is decoded by every method back to back, the method order rotated per batch,
-so the host's speed drift hits all methods alike. See bench/README.md for what each column means.
+so the host's speed drift hits all methods alike. See docs/BENCHMARKS.md for what each column means.
 
     python -m bench.decode_bench --limit 4 --max-new-tokens 64
     python -m bench.decode_bench --model runs/smollm2/training/latest/final --tuned \
@@ -27,7 +27,7 @@ from bench.common import RESULTS, Prompt, environment, top2_gap, tuned_settings
 from jfcore.chat import encode_chat, read_jsonl
 from jfcore.decoding import DecodeConfig, special_tokens
 from jfcore.decoding.reference import first_divergence
-from jfcore.decoding.slots import device_sync
+from jfcore.decoding.runner.slots import device_sync
 from jfcore.evaluation.config import SAME_ENGINE_AR
 from jfcore.evaluation.methods import Method, hf_method, project_method
 from jfcore.models import ModelConfig, load_model
@@ -284,7 +284,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--torch-linear",
         action="store_true",
         help="also every project method with linear='torch' (torch's own linear kernels; the default 'auto' may "
-        "compute small products weight first: jfcore/decoding/linear.py)",
+        "compute small products weight first: jfcore/decoding/runner/linear.py)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/decode_<model>_<device>_<dtype>.json)")

@@ -5,7 +5,7 @@
 
 Every method is greedy, so any difference is a *flip*: at some position two computations of the same logits rounded
 differently and a near-tie went the other way; from there on the texts part. The project's methods differ from
-`generate` by their kernels (the linear mode, jfcore/decoding/linear.py, computes some products weight-first), by
+`generate` by their kernels (the linear mode, jfcore/decoding/runner/linear.py, computes some products weight-first), by
 forward width (a Jacobi forward scores n positions at once, AR one) and by batching: HF greedy decodes each prompt
 alone, the project's methods `--batch` prompts together, as jf-serve does (`--batch 1`: one at a time). Per method this counts the outputs that differ,
 the first differing position, and the top-2 logit gap of HF's own forward at that position (a flip at a gap far above

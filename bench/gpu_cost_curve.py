@@ -12,8 +12,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from jfcore.decoding.compiled import fixed_forward
-from jfcore.decoding.slots import SlotBatch
+from jfcore.decoding.runner.compiled import fixed_forward
+from jfcore.decoding.runner.slots import SlotBatch
 
 torch.manual_seed(0)
 cfg = AutoConfig.from_pretrained(sys.argv[1])

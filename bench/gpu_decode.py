@@ -1,11 +1,10 @@
-"""Decode and trajectory tokens/s on a GPU: eager vs CUDA graphs, and an older tree's decoder, side by side.
+"""Decode and trajectory tokens/s on a GPU: eager forwards against CUDA graphs, side by side.
 
 Each variant runs in its own process on the same model and prompts (pre-tokenised: the GPU machine needs no
 tokenizer), one after the other in one run:
 
-- `before`: the decoder of another source tree (`--before-tree`, e.g. `git archive <commit> jfcore`), eager;
 - `eager`: this tree, compile off; it also runs HF greedy `generate` on the decode prompts (the reference);
-- `cuda_graphs`: this tree, compile="cuda_graphs" (jfcore/decoding/graphs.py).
+- `cuda_graphs`: this tree, compile="cuda_graphs" (jfcore/decoding/runner/graphs.py).
 
 Measured per variant: batch-1 decoding of every decode prompt (`--methods`: AR, Jacobi n16, multiblock 2 x 16),
 trajectory decoding (`decode_trajectories`, Jacobi n16, recorded) of the trajectory prompts at each
@@ -15,10 +14,10 @@ measurement first runs once untimed (CUDA graphs are captured there). The output
 variants and with `generate`'s tokens: the same model gives the same tokens whatever runs the forwards, except
 where a kernel's rounding flips a near-tie (counted as `differs_from_generate`).
 
-    python -m bench.gpu_decode --model DIR_OR_GGUF --prompts prompts.json --before-tree /tmp/before --out results/
+    python -m bench.gpu_decode --model DIR_OR_GGUF --prompts prompts.json --out results/
     python -m bench.gpu_decode --check-tiny   # CUDA graphs on tiny random models vs generate, token for token
 
-`prompts.json`: {"decode": [[ids...], ...], "trajectories": [[ids...], ...]} (bench/README.md).
+`prompts.json`: {"decode": [[ids...], ...], "trajectories": [[ids...], ...]} (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def _load(args: argparse.Namespace):
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """One variant, in this process (jfcore from whichever tree is first on the path)."""
+    """One variant, in this process."""
     import torch
 
     import jfcore
@@ -65,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     model = _load(args)
     prompts = json.loads(Path(args.prompts).read_text())
-    extra = {} if args.variant == "before" else {"compile": "cuda_graphs" if args.variant == "cuda_graphs" else "off"}
+    extra = {"compile": "cuda_graphs" if args.variant == "cuda_graphs" else "off"}
     result: dict = {
         "variant": args.variant,
         "jfcore": str(Path(jfcore.__file__).parent),
@@ -126,7 +125,7 @@ def measure(args: argparse.Namespace) -> dict:
     for batch in args.step_batch:
         result["steps"][str(batch)] = _steps(model, prompts["trajectories"], batch, args, extra, timed)
     if args.variant == "cuda_graphs":
-        from jfcore.decoding.graphs import graph_forward
+        from jfcore.decoding.runner.graphs import graph_forward
 
         runner = graph_forward(model)
         result["graphs"] = {"captured": runner.captures, "adopted": runner.adoptions}
@@ -201,9 +200,8 @@ def check_tiny() -> dict:
 
     sys.path.insert(0, str(TREE))
     from jfcore.decoding import DecodeConfig
-    from jfcore.decoding.graphs import graph_forward
-    from jfcore.decoding.jacobi import JacobiDecoder
-    from jfcore.decoding.scheduler import LiveBatch
+    from jfcore.decoding.decoder import Decoder
+    from jfcore.decoding.runner.graphs import graph_forward
     from tests.support.tiny_models import greedy_reference, tiny_model
 
     checked, failures, captures, shared = 0, [], 0, 0
@@ -223,28 +221,26 @@ def check_tiny() -> dict:
                 max_new_tokens=24,
             ),
         ):
-            for batch_tensors in (False, True):
-                prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, 246, 7, 11, 5)]
-                budgets = [24, 12, 5, 17, 1]
-                decoder = JacobiDecoder(model, config, [], 0)
-                live = LiveBatch(decoder, batch_tensors=batch_tensors)
-                rows = live.add(prompts, budgets)
+            prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, 246, 7, 11, 5)]
+            budgets = [24, 12, 5, 17, 1]
+            live = Decoder(model, config, [], 0).scheduler()
+            rows = live.add(prompts, budgets)
+            live.step()
+            prompts, budgets = prompts + [[9, 4, 4, 1]], budgets + [9]
+            rows += live.add(prompts[-1:], budgets[-1:])  # a row joins: the storage grows under the graphs
+            while live.rows:
                 live.step()
-                prompts, budgets = prompts + [[9, 4, 4, 1]], budgets + [9]
-                rows += live.add(prompts[-1:], budgets[-1:])  # a row joins: the storage grows under the graphs
-                while live.rows:
-                    live.step()
-                for row, prompt, budget in zip(rows, prompts, budgets):
-                    checked += 1
-                    if row.out != greedy_reference(model, prompt, budget):
-                        failures.append(f"{arch} {config.describe()} batch_tensors={batch_tensors} row {row.index}")
+            for row, prompt, budget in zip(rows, prompts, budgets):
+                checked += 1
+                if row.out != greedy_reference(model, prompt, budget):
+                    failures.append(f"{arch} {config.describe()} row {row.index}")
         captures += graph_forward(model).captures
-        # Eager forwards on the GPU with rows reading a shared prompt prefix (jfcore/decoding/shared_prefix.py).
+        # Eager forwards on the GPU with rows reading a shared prompt prefix (jfcore/decoding/runner/shared_prefix.py).
         opening = [rng.randrange(1, 96) for _ in range(12)]
         prompts = [opening + [rng.randrange(1, 96) for _ in range(n)] for n in (1, 4, 9)]
         for method in ("ar", "jacobi", "multiblock"):
             config = DecodeConfig(method=method, block_size=4, max_new_tokens=16, compile="off", share_prefix_tokens=8)
-            live = LiveBatch(JacobiDecoder(model, config, [], 0))
+            live = Decoder(model, config, [], 0).scheduler()
             rows = live.add(prompts, [16] * len(prompts))
             shared += len(rows) if live.slots.shared is not None else 0
             while live.rows:
@@ -263,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="HF checkpoint dir, or a .gguf file (converted once)")
     p.add_argument("--random-config", help="a config dir: its architecture with seeded random weights instead")
     p.add_argument("--prompts", help="JSON file of pre-tokenised prompts (see above)")
-    p.add_argument("--before-tree", help="a source tree whose jfcore is the `before` variant")
-    p.add_argument("--variants", nargs="+", default=["before", "eager", "cuda_graphs"])
+    p.add_argument("--variants", nargs="+", default=["eager", "cuda_graphs"], choices=["eager", "cuda_graphs"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda", help="cuda; cpu only to rehearse the run (no cuda_graphs variant)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -286,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in ("model", "random_config", "prompts", "before_tree"):  # the children run in other folders
+    for name in ("model", "random_config", "prompts"):  # the children run in the tree's folder
         if getattr(args, name) and os.path.exists(getattr(args, name)):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     if args.model and args.model.endswith(".gguf"):
@@ -296,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = resolve_checkpoint(ModelConfig(name_or_path=args.model))
     results = {}
     for variant in args.variants:
-        tree = args.before_tree if variant == "before" else str(TREE)
+        tree = str(TREE)
         child = [sys.executable, str(HERE), "--variant", variant, "--prompts", args.prompts, "--dtype", args.dtype]
         child += ["--device", args.device]
         child += ["--max-new-tokens", str(args.max_new_tokens), "--trajectory-batch", *map(str, args.trajectory_batch)]
@@ -337,9 +332,9 @@ def _print(r: dict) -> None:
 
 
 def _compare(results: dict) -> None:
-    """Speedups against `before`, and token agreement with `generate` (sequences that differ)."""
+    """Speedups against eager forwards and `generate`, and token agreement with `generate` (sequences that differ)."""
     reference = results.get("eager", {}).get("generate")
-    base = results.get("before", {})
+    base = results.get("eager", {})
     for name, r in results.items():
         if "decode" not in r:
             continue
@@ -348,18 +343,18 @@ def _compare(results: dict) -> None:
                 d["differs_from_generate"] = sum(a != b for a, b in zip(d["sequences"], reference["sequences"]))
                 d["speedup_vs_generate"] = round(d["tokens_per_s"] / reference["tokens_per_s"], 3)
             if "decode" in base:
-                d["speedup_vs_before"] = round(d["tokens_per_s"] / base["decode"][method]["tokens_per_s"], 3)
+                d["speedup_vs_eager"] = round(d["tokens_per_s"] / base["decode"][method]["tokens_per_s"], 3)
             print(
-                f"{name:12s} decode {method:7s} vs generate {d.get('speedup_vs_generate')}x, vs before "
-                f"{d.get('speedup_vs_before')}x, sequences differing from generate: {d.get('differs_from_generate')}"
+                f"{name:12s} decode {method:7s} vs generate {d.get('speedup_vs_generate')}x, vs eager "
+                f"{d.get('speedup_vs_eager')}x, sequences differing from generate: {d.get('differs_from_generate')}"
             )
         for batch, d in r["trajectories"].items():
             if "trajectories" in base:
-                d["speedup_vs_before"] = round(d["tokens_per_s"] / base["trajectories"][batch]["tokens_per_s"], 3)
-                d["same_as_before"] = d["digest"] == base["trajectories"][batch]["digest"]
+                d["speedup_vs_eager"] = round(d["tokens_per_s"] / base["trajectories"][batch]["tokens_per_s"], 3)
+                d["same_as_eager"] = d["digest"] == base["trajectories"][batch]["digest"]
             print(
-                f"{name:12s} trajectories batch {batch}: vs before {d.get('speedup_vs_before')}x, "
-                f"same rows as before: {d.get('same_as_before')}"
+                f"{name:12s} trajectories batch {batch}: vs eager {d.get('speedup_vs_eager')}x, "
+                f"same rows as eager: {d.get('same_as_eager')}"
             )
         for batch, methods in r.get("steps", {}).items():  # the issue's measure: host time / HF's whole step
             hf = results.get("eager", {}).get("steps", {}).get(batch, {}).get("hf_generate")

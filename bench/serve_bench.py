@@ -38,7 +38,7 @@ import openai
 
 from bench.common import RESULTS, few_shot_system
 from jfcore.paths import default_data_dir, eval_prompts
-from tasks.serve_process import jf_serve, prometheus_value
+from tests.support.serve_process import jf_serve, prometheus_value
 
 
 @dataclass

@@ -24,15 +24,14 @@ import torch
 from bench.common import RESULTS, few_shot_system, top2_gap
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode, special_tokens
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.scheduler import LiveBatch
+from jfcore.decoding.decoder import Decoder
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import default_data_dir, eval_prompts
 
 
 def kv_bytes(model, prompts: list[list[int]], config: DecodeConfig) -> int:
     """Bytes of KV the batch holds right after admitting `prompts` (its own slots, and any shared prefix)."""
-    live = LiveBatch(JacobiDecoder(model, config, eos_token_ids=[], pad_token_id=0))
+    live = Decoder(model, config, eos_token_ids=[], pad_token_id=0).scheduler()
     live.add(prompts)
     own = sum(t.numel() * t.element_size() for layer in live.slots.cache.layers for t in (layer.keys, layer.values))
     shared = live.slots.shared

@@ -6,7 +6,7 @@ setting in turn, `--steps` optimizer steps each, from a fresh output folder. The
 setting is the median of its per-step tokens/s after the first step (the first carries
 DeepSpeed's and the allocator's warm-up); "tokens" are the real tokens of the packed sequences
 (prompt + noisy + clean). Ratios are against the first setting. `--rounds 2` runs the
-list twice in alternating order, since this host's speed drifts. See bench/README.md.
+list twice in alternating order, since this host's speed drifts. See docs/BENCHMARKS.md.
 
     python -m bench.train_bench --steps 8
 """

@@ -4,7 +4,7 @@ Every configuration runs `tasks.trajectories.generate_trajectories` end to end (
 by it, a fresh output folder each time) on the same prompts; the order of the configurations rotates
 from one round to the next. The host's cores are split evenly between the workers. Rates are on the
 generation time (from the "workers ready" log line to the last shard); the wall time adds the one-off
-costs (Ray start, model loading in the actors, Ray shutdown). See bench/README.md.
+costs (Ray start, model loading in the actors, Ray shutdown). See docs/BENCHMARKS.md.
 
     python -m bench.trajectory_bench --limit 8 --max-new-tokens 32
 """

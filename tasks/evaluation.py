@@ -36,13 +36,12 @@ from jfcore.contracts import (
 )
 from jfcore.evaluation.benchmarks import Problem, benchmark_source, load_benchmark
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalConfig, EvalModel
-from jfcore.evaluation.isolation import IsolationUnavailable, require_isolation
+from jfcore.evaluation.isolation import require_isolation
 from jfcore.evaluation.report import REPORT_FILES, write_report
 from jfcore.evaluation.runner import Evaluator, fingerprints, load_models
 from jfcore.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import ShardSpec, plan_shards, read_manifest, run_key, write_manifest, write_shard
 from tasks import RESULTS_ARTIFACT
-from tasks.cli import stage_main
 from tasks.orchestration import Progress, get_run_logger, markdown_artifact, progress_artifact, task
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
 from tasks.tracking import (
@@ -361,22 +360,3 @@ def evaluation_series_task(
         results[label] = run_evaluation(config, ray, tracking, log=log)
     write_summary(results)
     return results
-
-
-SECTIONS = {"evaluation": EvalConfig, "ray": RayConfig, "tracking": TrackingConfig}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """jf-eval --config RECIPE: run (or resume) the evaluation stage alone."""
-    result = stage_main(
-        argv,
-        "Evaluate models on HumanEval, MBPP, GSM8K and MATH-500.",
-        SECTIONS,
-        lambda c: run_evaluation(c["evaluation"], c["ray"], c["tracking"]),
-        (ConfigError, ModelLoadError, FileNotFoundError, IsolationUnavailable),
-    )
-    print(f"\nreport: {result.report}" + (f"\nMLflow run: {result.mlflow_run_id}" if result.mlflow_run_id else ""))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -44,13 +43,12 @@ from jfcore.contracts import (
     TRAINING,
 )
 from jfcore.environment import cache_dir, threads_per_process
-from jfcore.models import ModelLoadError, load_tokenizer, source_fingerprint, tokenizer_fingerprint, with_absolute_path
+from jfcore.models import load_tokenizer, source_fingerprint, tokenizer_fingerprint, with_absolute_path
 from jfcore.shards import run_key
 from jfcore.training.checkpoints import complete_checkpoints, export_problem, read_metrics, write_export_sums
 from jfcore.training.config import TrainConfig
-from jfcore.training.data import TrainingDataError, packing_stats
+from jfcore.training.data import packing_stats
 from jfcore.training.loop import PROGRESS_LINE, deepspeed_config
-from tasks.cli import stage_main
 from tasks.launch_guard import GRACE_S
 from tasks.orchestration import Progress, get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
@@ -423,22 +421,3 @@ def training_task(
 ) -> TrainingResult:
     """The stage in a flow; a retry (only when the processes died) resumes from the newest checkpoint."""
     return training_stage(plan, data, launch, tracking, run, resume, get_run_logger().info, progress_artifact(TRAINING))
-
-
-SECTIONS = {"training": TrainConfig, "launch": LaunchConfig, "tracking": TrackingConfig}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """jf-train --config RECIPE: run (or resume) the training stage alone."""
-    result = stage_main(
-        argv,
-        "Distill a model on packed Jacobi trajectories with DeepSpeed.",
-        SECTIONS,
-        lambda c: run_training(c["training"], c["launch"], c["tracking"]),
-        (ConfigError, TrainingDataError, ModelLoadError, TrainingFailed),
-    )
-    print(json.dumps(dataclasses.asdict(result), indent=2, default=str))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,5 @@
-"""The tuning stage and `jf-tune`: the fastest lossless decoding configuration for a model on this machine.
-
-    jf-tune --model runs/smollm2/training/latest/final      # tune a checkpoint; the tune goes into its jacobi_forcing.json
-    jf-tune --model smollm2-135m-instruct --batch-sizes 1 8  # the base model (its converted copy holds the tune)
-    jf-tune --model M --max-minutes 3 --out runs/tune-m      # a tighter budget; the report where you say
+"""The tuning stage: the fastest lossless decoding configuration for a model on this machine (alone: `jf-tune`,
+cli/tune.py).
 
 The stage runs after training and before evaluation, on the trained model, and
 is reused while the model's tune was measured on this machine with the same
@@ -15,17 +12,15 @@ docs/DESIGN.md, section 12.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from jfcore.atomic import atomic_write
-from jfcore.config import ConfigError, from_dict, to_dict
+from jfcore.config import ConfigError, to_dict
 from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNED_TAG, TUNING
 from jfcore.decoding import DecodeConfig
 from jfcore.evaluation.benchmarks import BenchmarkConfig
@@ -39,7 +34,7 @@ from jfcore.metadata import (
     tuned_keys,
     write_tuned,
 )
-from jfcore.models import ModelConfig, ModelLoadError, resolve_checkpoint, source_fingerprint
+from jfcore.models import ModelConfig, resolve_checkpoint, source_fingerprint
 from jfcore.shards import run_key
 from jfcore.tuning.tuner import TuneConfig, TuneResult
 from tasks.orchestration import get_run_logger, task
@@ -292,54 +287,3 @@ def tuning_task(
     it is judged against), with an evaluation worker's threads; `tracking` None logs no MLflow run."""
     log = get_run_logger().info
     return tune_checkpoint(model, config, out_root, avoid, data_dir, tracking, model_uri, threads, log)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="jf-tune", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", required=True, help="checkpoint folder, preset or .gguf file (the tune is written into it)"
-    )
-    p.add_argument("--out", default="runs/tuning", help="where the report goes (a folder per model, settings, machine)")
-    p.add_argument("--config", help="YAML/JSON of TuneConfig keys (the recipe's `tuning` section)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", help="batch-size buckets (default 1)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens per tuning prompt (default 96)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (part of the machine's identity)")
-    p.add_argument("--data-dir", help="shared data folder (default $JF_SHARED_DATA or ../shared/data)")
-    p.add_argument(
-        "--avoid",
-        nargs="*",
-        default=["humaneval", "mbpp", "gsm8k", "math500"],
-        help="evaluation benchmarks the tuning split must not overlap (default: all four)",
-    )
-    args = p.parse_args(argv)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        values = {}
-        if args.config:
-            from jfcore.config import load_file
-
-            values = load_file(args.config)
-        if args.batch_sizes:
-            values["batch_sizes"] = args.batch_sizes
-        if args.max_new_tokens:
-            values["max_new_tokens"] = args.max_new_tokens
-        config = from_dict(TuneConfig, values, "tuning")
-        model = ModelConfig(name_or_path=args.model, dtype=args.dtype, device=device)
-        avoid = [from_dict(BenchmarkConfig, {"name": name}, "--avoid") for name in args.avoid]
-        progress = lambda line: print(line, file=sys.stderr, flush=True)  # stdout: the result alone
-        result = tune_checkpoint(model, config, args.out, avoid, args.data_dir, log=progress)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as err:
-        print(f"jf-tune: error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(asdict(result)))  # one line, the last: what a script reads
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

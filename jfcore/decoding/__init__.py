@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from jfcore.decoding.config import DecodeConfig
-from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.decoder import Decoder
 from jfcore.decoding.result import BlockTrajectory, DecodeOutput, DecodeStats, StepEvent
 
 __all__ = ["BlockTrajectory", "DecodeConfig", "DecodeOutput", "DecodeStats", "StepEvent", "decode", "special_tokens"]
@@ -31,7 +31,7 @@ def decode(
     config = config or DecodeConfig()
     eos, pad = special_tokens(model, eos_token_id, pad_token_id)
     prompts = [list(map(int, p)) for p in prompts]
-    return JacobiDecoder(model, config, eos, pad, on_step).decode(prompts)
+    return Decoder(model, config, eos, pad, on_step).decode(prompts)
 
 
 def special_tokens(

@@ -51,18 +51,18 @@ class DecodeConfig:
     top_p: float = 1.0
     sample_seed: int = 0
     # Decode forwards at fixed shapes (docs/DESIGN.md, section 1): "cuda_graphs" (a CUDA model only) replays one
-    # CUDA graph per shape bucket (jfcore/decoding/graphs.py), captured in milliseconds; "inductor" runs a model
-    # compiled with torch.compile (frozen weights; jfcore/decoding/compiled.py), each new shape compiled once per
+    # CUDA graph per shape bucket (jfcore/decoding/runner/graphs.py), captured in milliseconds; "inductor" runs a model
+    # compiled with torch.compile (frozen weights; jfcore/decoding/runner/compiled.py), each new shape compiled once per
     # process (tens of seconds on a CPU), so it pays on long runs only. "auto", by measurement: CUDA graphs on a
     # CUDA model (2.6-5.2x batch-1 decoding on an H200), eager elsewhere.
     compile: Literal["auto", "off", "inductor", "cuda_graphs"] = "auto"
-    # Linear layers of eager forwards on a CPU (jfcore/decoding/linear.py): "auto" computes a product over a few
+    # Linear layers of eager forwards on a CPU (jfcore/decoding/runner/linear.py): "auto" computes a product over a few
     # rows as weight x inputs^T wherever that measures faster than torch's own kernel for its shape and row count
     # (it does on some hosts' matrix libraries: forwards over 2-4 positions then cost what one costs), "torch"
     # always leaves them to torch.
     linear: Literal["auto", "torch"] = "auto"
     # Rows whose prompts open with at least this many equal tokens share that prefix's KV, prefilled once
-    # (jfcore/decoding/shared_prefix.py; eager forwards of an SDPA model only). 0 turns sharing off.
+    # (jfcore/decoding/runner/shared_prefix.py; eager forwards of an SDPA model only). 0 turns sharing off.
     share_prefix_tokens: int = 64
 
     def __post_init__(self) -> None:

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from jfcore.decoding.runner.slots import left_pad
 from jfcore.decoding.sampling import Sampling, choose
-from jfcore.decoding.slots import left_pad
 
 
 def hf_generate(

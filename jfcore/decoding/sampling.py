@@ -127,7 +127,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.max(-1).indices` (the first index of the largest value), on a CPU in two passes: each chunk's maximum
     over the vocabulary cut into about sqrt(V) chunks, then the first index of the largest within the first chunk
     that holds it. Values only, then one small chunk, is much cheaper there than max with indices over the whole
-    vocabulary (bench/argmax_bench.py: 1.4x at [64, 42, 2048], 3-6x at SmolLM2's 49152)."""
+    vocabulary (measured in bench/published/engine-cpu/2026-11-26b/: 1.4x at [64, 42, 2048], 3-6x at SmolLM2's 49152)."""
     vocab = logits.shape[-1]
     chunk = 1 << max(5, round(math.log2(vocab) / 2))
     # Small: one pass is cheaper.

@@ -1,46 +1,41 @@
 """The scheduler: which rows decode together (continuous batching), one forward per step.
 
 Prompts are admitted between forwards (a prefill of their own, then their cache slots join the batch's),
-finished and cancelled rows leave. What a step does to each row is the decoder's (jfcore/decoding/jacobi.py:
-row by row, or jfcore/decoding/batch_rows.py: as batch tensors); the forward itself is the slot batch's
-(jfcore/decoding/slots.py).
+finished and cancelled rows leave. A step is three calls: the rules lay out every row's forward input
+(jfcore/decoding/rules/), the model runner's slot batch runs the forward (jfcore/decoding/runner/), and the rules
+commit what it verified, which says what each row keeps of its new cache slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-from jfcore.decoding import shared_prefix
-from jfcore.decoding.batch_rows import PlainRows
-from jfcore.decoding.rows import Row
+from jfcore.decoding.result import StepEvent
+from jfcore.decoding.row import Row
+from jfcore.decoding.rules.python import PythonRules
+from jfcore.decoding.runner import shared_prefix
+from jfcore.decoding.runner.model_runner import ModelRunner
+from jfcore.decoding.runner.slots import SlotBatch, left_pad
 from jfcore.decoding.sampling import Sampling
-from jfcore.decoding.slots import SlotBatch, left_pad
-
-if TYPE_CHECKING:
-    from jfcore.decoding.jacobi import JacobiDecoder
 
 
-class LiveBatch:
+class Scheduler:
     """Rows that decode together, one forward per step (continuous batching).
 
     Prompts join between forwards (`add`: a prefill of their own, then their cache slots are merged into the
     batch's), finished and cancelled rows leave, and every row's tokens are its own output (greedy, or sampled
     with its own keyed noise) whatever else shares the batch: each row attends only to its own valid slots at its
-    own positions.
+    own positions. Every row's `out` and `forwards` are current after each step (a server streams them).
     """
 
-    def __init__(self, decoder: JacobiDecoder, sync_rows: bool = False, batch_tensors: bool = True):
-        """`batch_tensors`: run plain rows (see `JacobiDecoder.batch_tensors_from`) as batch tensors. `sync_rows`:
-        then keep every row's `out` and `forwards` current after each step (a server streams them); otherwise
-        they get them when they finish."""
-        self.decoder = decoder
+    def __init__(self, runner: ModelRunner, rules: PythonRules, on_step: Callable[[StepEvent], None] | None = None):
+        self.runner = runner
+        self.rules = rules
+        self.on_step = on_step
         self.rows: list[Row] = []
         self.slots: SlotBatch | None = None
-        use = batch_tensors and decoder.batch_tensors_from is not None
-        self.plain = PlainRows(decoder, sync_rows) if use else None
         self.steps = 0  # decode forwards run
         self.forward_seconds = 0.0  # time inside those forwards
         self._admitted = 0
@@ -60,33 +55,30 @@ class LiveBatch:
         """Prefill `prompts` and let them join the batch. Returns their rows, some perhaps finished already
         (a first token that is EOS, or a budget of one token). `sampling`: per prompt, its own sampling settings
         and sample index (default: the decoder's settings, and the row's admission number)."""
-        d = self.decoder
+        rules, runner = self.rules, self.runner
         limits = list(max_new_tokens) if max_new_tokens is not None else [None] * len(prompts)
         keys = list(sampling) if sampling is not None else [None] * len(prompts)
         new = [
-            d.new_row(self._admitted + i, list(map(int, p)), m, k)
+            rules.new_row(self._admitted + i, list(map(int, p)), m, k)
             for i, (p, m, k) in enumerate(zip(prompts, limits, keys, strict=True))
         ]
         self._admitted += len(new)
         # Identical prompts (a request's n choices) are prefilled once; their rows then copy its cache row.
         firsts: dict[tuple[int, ...], int] = {}
         source = [firsts.setdefault(tuple(r.prompt), len(firsts)) for r in new]
-        slots = SlotBatch(d.model, len(firsts), fixed_forward=d.fixed_forward, linear=d.linear)
+        slots = runner.slots(len(firsts))
         # Prompts that open alike prefill only what follows their shared prefix, on top of it.
         slots.shared = self._shared_prefixes(list(firsts))
         skip = slots.shared.lengths if slots.shared is not None else [0] * len(firsts)
-        tokens, valid, positions = left_pad([p[n:] for p, n in zip(firsts, skip)], d.pad)
-        logits = slots.forward(tokens, valid, positions + torch.tensor(skip)[:, None], **d.prefill_kwargs)
+        tokens, valid, positions = left_pad([p[n:] for p, n in zip(firsts, skip)], rules.pad)
+        logits = slots.forward(tokens, valid, positions + torch.tensor(skip)[:, None], **runner.prefill_kwargs)
         slots.keep(valid)
         for row, i in zip(new, source):
             row.shared_tokens = skip[i]
         if len(firsts) < len(new):
             slots.select_rows(source)
             logits = logits[torch.tensor(source, device=logits.device)]
-        d.vocab_size = logits.shape[-1]
-        first_tokens = d.choose(logits[:, -1:], new, lambda: torch.zeros(len(new), 1, dtype=torch.long))[:, 0].tolist()
-        for row, first in zip(new, first_tokens):
-            d._carry_on(row, first, guess=first, progress=0)
+        rules.start(new, logits[:, -1:])
         staying = [i for i, row in enumerate(new) if not row.finished]
         if staying:
             if len(staying) < len(new):
@@ -96,17 +88,14 @@ class LiveBatch:
             else:
                 self.slots.extend(slots)
             self.rows += [new[i] for i in staying]
-            if self.plain is not None:
-                self.plain.add([new[i] for i in staying])
         return new
 
     def _shared_prefixes(self, prompts: list[tuple[int, ...]]) -> shared_prefix.PrefixRows | None:
         """Which shared prefix each new prompt reads: the longest one of the batch's it runs past, else one made for
         prompts that open with the same `share_prefix_tokens` tokens (their longest common prefix), taken from a
         live row's cache where one opens alike too, else prefilled once."""
-        d = self.decoder
-        minimum = d.share_prefix_tokens
-        if not minimum or not any(len(p) > minimum for p in prompts) or not shared_prefix.supported(d.model):
+        minimum = self.runner.share_prefix_tokens
+        if not self.runner.shares_prefixes(prompts):
             return None
         live = self.slots.shared if self.slots is not None else None
         chosen = [live.find(p) if live is not None else None for p in prompts]
@@ -124,7 +113,7 @@ class LiveBatch:
             if donor is not None:
                 prefix = self.slots.prefix_of_row(donor, tokens)
             else:
-                prefix = shared_prefix.prefill(d.model, tokens, **d.prefill_kwargs)
+                prefix = self.runner.prefill_prefix(tokens)
             for i in members:
                 chosen[i] = prefix
         return shared_prefix.rows_reading(chosen)
@@ -141,12 +130,20 @@ class LiveBatch:
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One forward for every row. Returns the rows that finished; they have left the batch."""
-        before = self.slots.forward_seconds
-        if self.plain is not None:
-            self.plain.step(self.slots)
-        else:
-            self.decoder._step(self.slots, self.rows, self.steps)
-        self.forward_seconds += self.slots.forward_seconds - before
+        rows, slots = self.rows, self.slots
+        before = slots.forward_seconds
+        step = self.rules.layout(rows)
+        logits = slots.forward(step.tokens, step.valid, step.positions, step.mask(slots.device), packed=True)
+        kept = self.rules.commit(rows, step, logits)
+        slots.keep_first(kept.counts, kept.moves)
+        self.forward_seconds += slots.forward_seconds - before
+        if self.on_step is not None:
+            committed = [len(r.prompt) + r.verified for r in rows]
+            lengths = step.valid.sum(1).tolist()
+            event = StepEvent(
+                self.steps, [r.index for r in rows], kept.counts.tolist(), committed, slots.cached_tokens(), lengths
+            )
+            self.on_step(event)
         self.steps += 1
         return self.remove([row for row in self.rows if row.finished])
 
@@ -163,10 +160,8 @@ class LiveBatch:
             else:
                 self.slots = None
             self.rows = [self.rows[i] for i in keep]
-            if self.plain is not None:
-                self.plain.select(keep)
         if self.slots is None or self.slots.shared is None:
-            shared_prefix.restore(self.decoder.model)  # no prefix left to read: the model's own attention again
+            self.runner.restore()  # no prefix left to read: the model's own attention again
         return leaving
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.decoding.reference import hf_generate
-from jfcore.decoding.slots import device_sync
+from jfcore.decoding.runner.slots import device_sync
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The serving engine: one thread decodes a `LiveBatch`; requests join it at the next forward.
+"""The serving engine: one thread decodes a batch of rows (`Scheduler`); requests join it at the next forward.
 
 Handlers on the server's event loop `submit` requests and get their text back through the request's
 `deliver` callback (called on the engine thread: hand it to the loop with `call_soon_threadsafe`). Between two
@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from jfcore.decoding import DecodeConfig, special_tokens
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.rows import Row
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.row import Row
 from jfcore.decoding.sampling import GREEDY, Sampling
-from jfcore.decoding.scheduler import LiveBatch
 from jfcore.serving.metrics import ServingMetrics
 
 
@@ -100,8 +99,8 @@ class Engine:
         # Its own copy: a fast tokenizer used from two threads at once can fail ("Already borrowed").
         self.tokenizer = copy.deepcopy(tokenizer)
         self.config = config
-        self.decoder = JacobiDecoder(model, config, eos, pad)
-        self.live = LiveBatch(self.decoder, sync_rows=True)
+        self.decoder = Decoder(model, config, eos, pad)
+        self.live = self.decoder.scheduler()
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.metrics = metrics or ServingMetrics()
@@ -166,7 +165,7 @@ class Engine:
                 traceback.print_exc()
                 unadmitted = [r for r in joining if r.row is None and not r.cancelled]
                 self._fail([*self._serving, *unadmitted], f"{type(err).__name__}: {err}")
-                self.live = LiveBatch(self.decoder, sync_rows=True)
+                self.live = self.decoder.scheduler()
         with self._wake:
             waiting, self._waiting = list(self._waiting), deque()
         self._fail([*self._serving, *waiting], "the server is shutting down")

@@ -2,7 +2,7 @@
 
 Prompt-lookup acceptance needs no model: which candidate is proposed and how
 much of it holds depend only on the text, and greedy decoding fixes the text
-(`jfcore.decoding.lookup.simulate`). So one greedy pass gives it for every
+(jfcore/tuning/replay.py). So one greedy pass gives it for every
 candidate length. Jacobi and multiblock drafts do need the model: one decode
 per family records, for every forward, how many tokens the row's own draft
 committed and how many positions it verified. All runs are batched (rows
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent
-from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.decoder import Decoder
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Acceptance:
         }
 
 
-def _run(decoder: JacobiDecoder, prompts: Sequence[list[int]]):
+def _run(decoder: Decoder, prompts: Sequence[list[int]]):
     return decoder.decode([list(p) for p in prompts])
 
 
@@ -95,12 +95,12 @@ def greedy_pass(
     greedy: list[list[int]] = []
     ar = DecodeConfig(method="ar", max_new_tokens=max_new_tokens)
     for start in range(0, len(prompts), batch_size):
-        greedy += _run(JacobiDecoder(model, ar, eos, pad), prompts[start : start + batch_size]).sequences
+        greedy += _run(Decoder(model, ar, eos, pad), prompts[start : start + batch_size]).sequences
     log(f"greedy pass: {sum(map(len, greedy))} tokens over {len(prompts)} prompts")
     prefill, host = [], []
     probe = DecodeConfig(method="ar", max_new_tokens=host_probe_tokens)
     for p in prompts:
-        out = _run(JacobiDecoder(model, probe, eos, pad), [p])
+        out = _run(Decoder(model, probe, eos, pad), [p])
         prefill.append(out.stats.prefill_seconds)
         host.append(_host_per_step(out.stats))
     return Acceptance(list(map(list, prompts)), greedy, prefill, _median(host))
@@ -128,9 +128,9 @@ def record_drafts(
 
     config = replace(config, max_new_tokens=max_new_tokens, lookup_tokens=0)
     for start in range(0, len(prompts), batch_size):
-        _run(JacobiDecoder(model, config, eos, pad, on_step=record), prompts[start : start + batch_size])
+        _run(Decoder(model, config, eos, pad, on_step=record), prompts[start : start + batch_size])
     probe = replace(config, max_new_tokens=host_probe_tokens)
-    hosts = [_host_per_step(_run(JacobiDecoder(model, probe, eos, pad), [p]).stats) for p in prompts[:4]]
+    hosts = [_host_per_step(_run(Decoder(model, probe, eos, pad), [p]).stats) for p in prompts[:4]]
     steps = DraftSteps(config, tuple(accepted), tuple(widths), _median(hosts))
     log(f"{config.method} n={config.block_size}: TPF {steps.tpf:.2f} over {len(accepted)} row-forwards")
     return steps

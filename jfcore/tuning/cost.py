@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from jfcore.decoding.compiled import fixed_forward
 from jfcore.decoding.config import DecodeConfig
-from jfcore.decoding.linear import faster_linear
+from jfcore.decoding.runner.compiled import fixed_forward
+from jfcore.decoding.runner.linear import faster_linear
+from jfcore.decoding.runner.slots import SlotBatch, device_sync
 from jfcore.decoding.sampling import greedy_argmax
-from jfcore.decoding.slots import SlotBatch, device_sync
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48)
 

@@ -3,7 +3,7 @@
 For every tuning prompt the configuration's decode is replayed along the
 prompt's greedy output, without the model: at each forward the row verifies
 its draft (n positions, or the multiblock family's recorded width) and a
-prompt-lookup candidate (replayed exactly, `jfcore.decoding.lookup`), and
+prompt-lookup candidate (replayed exactly, `jfcore.decoding.candidates.lookup`), and
 commits the longer verified run. The draft's own run is drawn from what the
 family's recorded forwards accepted (capped at n); each replay is repeated
 with several seeds and averaged. Then
@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from jfcore.decoding import DecodeConfig
-from jfcore.decoding.lookup import PromptLookup
+from jfcore.decoding.candidates.lookup import PromptLookup
 from jfcore.tuning.acceptance import Acceptance
 from jfcore.tuning.cost import CostCurve
 

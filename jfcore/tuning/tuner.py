@@ -22,12 +22,13 @@ import torch
 
 from jfcore.config import check
 from jfcore.decoding import DecodeConfig
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.slots import device_sync
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.runner.slots import device_sync
 from jfcore.machine import MachineIdentity, this_machine
 from jfcore.tuning.acceptance import Acceptance, greedy_pass, record_drafts
 from jfcore.tuning.cost import DEFAULT_WIDTHS, CostCurve, measure_curve
 from jfcore.tuning.predict import Prediction, family, predict
+from jfcore.tuning.replay import simulate
 from jfcore.tuning.split import DEFAULT_SPLIT, TuningSet
 
 
@@ -129,8 +130,6 @@ def host_seconds(config: DecodeConfig, acceptance: Acceptance, lookup_seconds: f
 
 def lookup_host_seconds(acceptance: Acceptance) -> float:
     """The decoder's extra time per step for prompt lookup: the replay's own Python cost per forward."""
-    from jfcore.decoding.lookup import simulate
-
     start, forwards = time.perf_counter(), 0
     for prompt, output in zip(acceptance.prompts, acceptance.greedy):
         forwards += simulate(prompt, output, 3, 8).forwards
@@ -154,7 +153,7 @@ def confirm(
     sync = device_sync(next(model.parameters()).device)
     rows = [prompts[i % len(prompts)] for i in range(max(batch_size, len(prompts)))]
     batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-    decoders = [JacobiDecoder(model, replace(c, max_new_tokens=max_new_tokens), eos, pad) for c in configs]
+    decoders = [Decoder(model, replace(c, max_new_tokens=max_new_tokens), eos, pad) for c in configs]
     for d in decoders:  # warm-up: one-off costs stay out of the timings
         d.decode([list(batches[0][0])])
     seconds = [[0.0] * rounds for _ in configs]

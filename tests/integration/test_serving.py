@@ -24,7 +24,7 @@ import torch
 from jfcore.decoding.reference import sample_sequentially
 from jfcore.decoding.sampling import Sampling
 from jfcore.models import ModelConfig, load_model
-from tasks.serve_process import jf_serve, prometheus_value
+from tests.support.serve_process import jf_serve, prometheus_value
 from tests.support.tiny_models import TINY_CHAT_TEMPLATE, save_tiny_checkpoint
 
 KEY = "test-key-3f9a"
@@ -408,7 +408,7 @@ def jf_serve_error(args: list[str], folder) -> str:
     """What jf-serve prints when it refuses to start (it must exit, not hang)."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.serve", *args], check=False, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "cli.serve", *args], check=False, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2, done.stderr
     return done.stderr

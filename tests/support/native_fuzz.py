@@ -13,19 +13,20 @@ import numpy as np
 import torch
 
 from jfcore.decoding import DecodeConfig
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.native_rows import _native
-from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.candidates.ngram_pool import NgramPool
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.rules.native import _native
+from jfcore.decoding.rules.python import PythonRules
 from tests.support.tiny_models import tiny_model
 
 ERRORS = (TypeError, ValueError, OverflowError, AttributeError, IndexError, RuntimeError, MemoryError)
 
 
-def _rows(decoder: JacobiDecoder, rng: random.Random, count: int) -> list:
+def _rows(rules: PythonRules, rng: random.Random, count: int) -> list:
     rows = []
     for i in range(count):
-        row = decoder.new_row(i, [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))])
-        decoder._carry_on(row, rng.randrange(1, 50), guess=rng.randrange(1, 50), progress=0)
+        row = rules.new_row(i, [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))])
+        rules.begin(row, rng.randrange(1, 50))
         rows.append(row)
     return rows
 
@@ -66,7 +67,7 @@ def _buffer(rng: random.Random, items: int, kind: str):
 def fuzz(seed: int, cases: int) -> dict:
     rng = random.Random(seed)
     model = tiny_model("llama")
-    decoder = JacobiDecoder(model, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0)
+    rules = Decoder(model, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0).rules
     outcomes: Counter = Counter()
     for _ in range(cases):
         entry = rng.choice(["layout", "greedy", "verify", "verify"])
@@ -80,12 +81,12 @@ def fuzz(seed: int, cases: int) -> dict:
                 queries = max(0, rows_ * width) if valid is None else rng.randrange(0, 30)
                 _native.greedy(_buffer(rng, queries * max(vocab, 0), "f"), valid, rows_, width, vocab)
             else:
-                rows = [_spoil_row(r, rng) if rng.random() < 0.3 else r for r in _rows(decoder, rng, rng.randrange(4))]
+                rows = [_spoil_row(r, rng) if rng.random() < 0.3 else r for r in _rows(rules, rng, rng.randrange(4))]
                 max_candidates = rng.choice([2, 2, 2, 0, -1, 1 << 20])
                 if entry == "layout":
                     _native.layout(rows, rng.randrange(-1, 50), max_candidates, rng.random() < 0.5, False)
                 else:
-                    good = _rows(decoder, rng, len(rows))
+                    good = _rows(rules, rng, len(rows))
                     tokens, _, _, _, meta, width, _ = _native.layout(good, 0, 2, False, False)
                     meta = np.frombuffer(bytes(meta), dtype=np.int64).copy()
                     for _ in range(rng.randrange(3)):  # slots past the step, negative counts, huge values
@@ -98,7 +99,7 @@ def fuzz(seed: int, cases: int) -> dict:
                     width = rng.choice([width, width, width + 1, width - 1, -1, 1 << 62])
                     rows = rows if rng.random() < 0.5 else good
                     eos = rng.choice([(), (3,), "ab", None, (1 << 70,)])
-                    _native.verify(rows, tokens, choices, meta, width, eos, 4, 2, 0.85, False, decoder)
+                    _native.verify(rows, tokens, choices, meta, width, eos, 4, 2, 0.85, False, rules)
             outcomes[f"{entry}: result"] += 1
         except ERRORS as error:
             outcomes[f"{entry}: {type(error).__name__}"] += 1

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from tasks.serve_process import child_server, free_port
+from tests.support.serve_process import child_server, free_port
 
 __all__ = ["free_port", "mlflow_server"]
 

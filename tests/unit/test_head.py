@@ -1,4 +1,4 @@
-"""Only the real queries of a step are projected onto the vocabulary (jfcore/decoding/head.py)."""
+"""Only the real queries of a step are projected onto the vocabulary (jfcore/decoding/runner/head.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from jfcore.decoding.head import split_head
-from jfcore.decoding.slots import SlotBatch, left_pad
+from jfcore.decoding.runner.head import split_head
+from jfcore.decoding.runner.slots import SlotBatch, left_pad
 from tests.support.tiny_models import ARCHITECTURES, tiny_model
 
 

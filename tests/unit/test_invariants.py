@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from jfcore.decoding import DecodeConfig, StepEvent, decode
-from jfcore.decoding.jacobi import JacobiDecoder, _tree
-from jfcore.decoding.kv_cache import SlotCache
-from jfcore.decoding.ngram_pool import CNgramPool, NgramPool, RowPool
-from jfcore.decoding.slots import SlotBatch
+from jfcore.decoding.candidates.ngram_pool import NgramPool
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.rules.layout import tree_mask
+from jfcore.decoding.rules.native import NativeRules, _native
+from jfcore.decoding.rules.python import PythonRules
+from jfcore.decoding.runner.kv_cache import SlotCache
+from jfcore.decoding.runner.slots import SlotBatch
 from tests.support.tiny_models import greedy_reference, position_model, tiny_model
 
 PROMPTS = [[7, 3, 9, 1, 4, 4, 2], [5], [11, 12, 13], [60, 2, 2, 8, 9, 1, 33, 71, 5, 5, 19]]
@@ -155,14 +158,19 @@ def test_a_layer_of_another_shape_gives_every_layer_storage_of_its_own():
     assert all(torch.equal(layer.keys, keys[2:3]) for layer, keys in zip(cache.layers, written))
 
 
+CNgramPool = _native.NgramPool if _native is not None else None
 POOLS = [NgramPool, CNgramPool]  # the reference and its C twin (None where it was not built: those tests fail)
 
 
-def test_rows_use_the_c_pool():
+def test_the_c_rules_rows_use_the_c_pool_and_the_python_rules_rows_the_python_one():
     """The install builds the C pool where a C compiler is at hand (pyproject.toml); without one it goes on with the
-    Python pool, and this test says so."""
-    assert CNgramPool is not None, "jfcore/decoding/_ngram.c was not built: install a C compiler, then pip install -e ."
-    assert RowPool is CNgramPool
+    Python pool and rules, and this test says so."""
+    assert CNgramPool is not None, (
+        "jfcore/decoding/rules/_ngram.c was not built: install a C compiler, pip install -e ."
+    )
+    config = DecodeConfig(method="multiblock", pool_size=4)
+    assert type(NativeRules(config, [], 0).new_row(0, [1]).pool) is CNgramPool
+    assert type(PythonRules(config, [], 0).new_row(0, [1]).pool) is NgramPool
 
 
 @pytest.mark.parametrize("pool_class", POOLS, ids=["python", "c"])
@@ -244,11 +252,11 @@ def test_the_longest_verified_run_wins_and_the_earliest_wins_a_tie(draft, candid
     """The acceptance rule of docs/DESIGN.md, section 7: the longest of the draft's verified run and each
     candidate's (draft[0], then the candidate), the draft first and then the candidates in order on a tie."""
     config = DecodeConfig(method="multiblock", block_size=4, num_blocks=1, pool_size=4, ngram_size=3)
-    decoder = JacobiDecoder(tiny_model("llama"), config, [], 0)
-    row = decoder.new_row(0, [1, 2, 3])
+    rules = PythonRules(config, [], 0)
+    row = rules.new_row(0, [1, 2, 3])
     row.blocks, row.sizes = [list(draft)], [len(draft)]
     inputs = draft + [t for _, gram in candidates for t in gram]
-    slots = decoder._verify(row, pred, candidates, draft)
+    slots = rules._verify(row, pred, candidates, draft)
     assert slots == kept
     assert row.out == [inputs[s] for s in kept] and row.verified == len(kept)
     assert row.recycled == recycled
@@ -270,22 +278,22 @@ def test_the_candidate_tree_shows_each_query_its_own_branch_and_hides_padding():
     first token and its candidate up to itself; no query sees row padding. Random layouts, checked against that
     rule written out per query, on the decoder's own layout: offsets from draft[0], each candidate restarting at 1."""
     rng = random.Random(0)
-    decoder = JacobiDecoder(tiny_model("llama"), DecodeConfig(method="multiblock", pool_size=4), [], 0)
+    rules = PythonRules(DecodeConfig(method="multiblock", pool_size=4), [], 0)
     for _ in range(200):
         rows = []
         for _ in range(rng.randrange(1, 5)):
             draft = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 7))]
             grams = [tuple(rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(4))]
-            row = decoder.new_row(0, [1, 2])
+            row = rules.new_row(0, [1, 2])
             row.blocks, row.sizes = [draft], [len(draft)]
             row.pool = GivenCandidates(grams)
-            inputs, offsets, cands = decoder._layout(row)
+            inputs, offsets, cands = rules._layout(row)
             branch = [0] * (cands[0][0] if cands else len(inputs))  # 0: the draft, i: the i-th candidate
             for i, (_, gram) in enumerate(cands, start=1):
                 branch += [i] * len(gram)
             rows.append((offsets, branch))
         width = max(len(offsets) for offsets, _ in rows)
-        tree = _tree(torch.tensor([o + [0] * (width - len(o)) for o, _ in rows]), torch.device("cpu"))
+        tree = tree_mask(torch.tensor([o + [0] * (width - len(o)) for o, _ in rows]), torch.device("cpu"))
         for b, (offsets, branch) in enumerate(rows):
             n = len(offsets)
             for i in range(width):
@@ -324,32 +332,30 @@ def test_stats_are_consistent():
 def test_promoted_block_keeps_its_progress():
     """When acceptance runs past block 0 into block 1, block 1 is promoted with its verified
     tokens committed and the rest of its draft updated, not restarted from filler."""
-    from jfcore.decoding.jacobi import JacobiDecoder
-    from jfcore.decoding.rows import Row
+    from jfcore.decoding.row import Row
 
     config = DecodeConfig(method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100)
-    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
+    rules = PythonRules(config, eos_token_ids=[], pad_token_id=0)
     row = Row(0, [1, 2, 3], 100, out=[8, 9], blocks=[[10, 11], [12, 13, 14, 15]], sizes=[4, 4], done=2)
     # The model confirms 11 and 12 (crossing into block 1) and rejects 13, predicting 40 instead.
     predictions = [11, 12, 40, 50, 51, 52]
-    kept = decoder._verify(row, predictions, cands=[], draft=row.draft)
+    kept = rules._verify(row, predictions, cands=[], draft=row.draft)
     assert kept == [0, 1, 2]
     assert row.out == [8, 9, 10, 11, 12]
     assert row.blocks == [[40, 50, 51]] and row.sizes == [4] and row.done == 1
 
 
 def test_pseudo_active_block_spawns_from_the_model_guess():
-    from jfcore.decoding.jacobi import JacobiDecoder
-    from jfcore.decoding.rows import Row
+    from jfcore.decoding.row import Row
 
     config = DecodeConfig(
         method="multiblock", block_size=4, num_blocks=2, pool_size=0, max_new_tokens=100, spawn_ratio=0.75
     )
-    decoder = JacobiDecoder(tiny_model("llama"), config, eos_token_ids=[], pad_token_id=0)
-    decoder.vocab_size = 96
+    rules = PythonRules(config, eos_token_ids=[], pad_token_id=0)
+    rules.vocab_size = 96
     row = Row(0, [1, 2, 3], 100, out=[], blocks=[[10, 11, 12, 13]], sizes=[4], rng=random.Random(0))
     # 10, 11, 12 accepted (3 of 4 >= 0.75 * 4): a second block opens with the model's token after the draft.
-    decoder._verify(row, [11, 12, 30, 77], cands=[], draft=row.draft)
+    rules._verify(row, [11, 12, 30, 77], cands=[], draft=row.draft)
     assert row.out == [10, 11, 12]
     assert row.blocks[0] == [30] and row.blocks[1][0] == 77 and len(row.blocks[1]) == 4
 
@@ -372,11 +378,10 @@ def test_trajectories_do_not_depend_on_the_batch():
 
 
 def test_the_garbage_collector_is_off_while_a_decode_steps_and_as_it_was_after():
-    from jfcore.decoding.jacobi import JacobiDecoder
 
     enabled: list[bool] = []
     config = DecodeConfig(method="multiblock", block_size=4, max_new_tokens=12)
-    decoder = JacobiDecoder(tiny_model("llama"), config, [], 0, on_step=lambda _: enabled.append(gc.isenabled()))
+    decoder = Decoder(tiny_model("llama"), config, [], 0, on_step=lambda _: enabled.append(gc.isenabled()))
     assert gc.isenabled()
     decoder.decode([[1, 2, 3], [4, 5]])
     assert enabled and not any(enabled)

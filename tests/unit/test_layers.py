@@ -1,6 +1,8 @@
-"""Imports go down a floor, never up: flows -> tasks -> jfcore, jfcore imports no orchestration or tracking library,
-and jfcore's own parts (its subpackages and top modules) import each other without a cycle. Read from the sources'
-syntax trees, so an import inside a function counts too."""
+"""Imports go down a floor, never up: cli -> flows -> tasks -> jfcore (the entry points, the flow, its stages, the
+library), jfcore imports no orchestration or tracking library,
+jfcore's own parts (its subpackages and top modules) import each other without a cycle, and so do the decoder's
+modules, whose parts keep floors of their own (docs/DESIGN.md, section 10). Read from the sources' syntax trees, so
+an import inside a function or under TYPE_CHECKING counts too."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FLOORS = ("flows", "tasks", "jfcore")  # top floor first
+FLOORS = ("cli", "flows", "tasks", "jfcore")  # top floor first
 SERVICES = ("prefect", "ray", "mlflow")  # the orchestration and tracking stack stays out of jfcore
 
 
@@ -51,13 +53,8 @@ def part(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def test_jfcores_parts_import_each_other_without_a_cycle():
-    graph = defaultdict(set)
-    for module, names in imports("jfcore").items():
-        for name in names:
-            if name.startswith("jfcore.") and part(name) != part(module):
-                graph[part(module)].add(part(name))
-    assert graph["jfcore.evaluation"] and graph["jfcore.tuning"]  # the graph was read
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every node's first cycle back to itself, if any, as "a -> b -> a"."""
 
     def cycle_from(start: str) -> list[str] | None:
         path, stack = [start], [iter(sorted(graph[start]))]
@@ -71,5 +68,48 @@ def test_jfcores_parts_import_each_other_without_a_cycle():
                 path.append(step), stack.append(iter(sorted(graph[step])))
         return None
 
-    cycles = [c for c in map(cycle_from, sorted(graph)) if c]
-    assert not cycles, [" -> ".join(c) for c in cycles]
+    return [" -> ".join(c) for c in map(cycle_from, sorted(graph)) if c]
+
+
+def test_jfcores_parts_import_each_other_without_a_cycle():
+    graph = defaultdict(set)
+    for module, names in imports("jfcore").items():
+        for name in names:
+            if name.startswith("jfcore.") and part(name) != part(module):
+                graph[part(module)].add(part(name))
+    assert graph["jfcore.evaluation"] and graph["jfcore.tuning"]  # the graph was read
+    assert not cycles(graph), cycles(graph)
+
+
+# The decoder's parts, top floor first: the loop, the scheduler, the rules (and the references tests and
+# benchmarks compare with), then what they use (the model runner, a row, its candidates), then plain values.
+DECODING_FLOORS = (
+    ("__init__", "decoder"),
+    ("scheduler",),
+    ("rules", "reference"),
+    ("runner", "row", "candidates"),
+    ("config", "result", "sampling"),
+)
+
+
+def decoding_part(module: str) -> str:
+    """jfcore.decoding.rules.native -> rules; jfcore.decoding -> __init__."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_the_decoders_modules_import_only_down_its_floors_and_without_a_cycle():
+    floor = {name: i for i, names in enumerate(DECODING_FLOORS) for name in names}
+    modules = {m: names for m, names in imports("jfcore").items() if m.split(".")[:2] == ["jfcore", "decoding"]}
+    assert {decoding_part(m) for m in modules} == set(floor), "a new part of jfcore/decoding needs its floor here"
+    graph = defaultdict(set)
+    upward = []
+    for module, names in modules.items():
+        for name in names:
+            if name in modules or name.startswith("jfcore.decoding."):
+                graph[module].add(name)
+                if floor[decoding_part(name)] < floor[decoding_part(module)]:
+                    upward.append(f"{module} imports {name}")
+    assert graph["jfcore.decoding.scheduler"] and graph["jfcore.decoding.rules.native"]  # the graph was read
+    assert not upward, upward
+    assert not cycles(graph), cycles(graph)

@@ -1,4 +1,4 @@
-"""Linear layers computed the faster of two ways (jfcore/decoding/linear.py): the same products, the chosen way
+"""Linear layers computed the faster of two ways (jfcore/decoding/runner/linear.py): the same products, the chosen way
 used, decoding still exact."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from jfcore.config import ConfigError
-from jfcore.decoding import DecodeConfig, decode, jacobi
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.linear import MAX_ROWS, WAYS, FasterLinear, faster_linear, product_key
+from jfcore.decoding import DecodeConfig, decode
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.runner import model_runner
+from jfcore.decoding.runner.linear import MAX_ROWS, WAYS, FasterLinear, faster_linear, product_key
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
 
 
@@ -127,8 +128,8 @@ def test_decoding_through_the_weight_first_way_matches_generate(arch, method):
     expected = [greedy_reference(model, p, 40) for p in prompts]
     config = DecodeConfig(method=method, block_size=5, max_new_tokens=40)
     chosen = []
-    decoder = JacobiDecoder(model, config, [], 0)
-    decoder.linear = FasterLinear(
+    decoder = Decoder(model, config, [], 0)
+    decoder.runner.linear = FasterLinear(
         choose=lambda x, weight, bias: chosen.append(x.numel() // x.shape[-1]) or "weight_first"
     )
     assert decoder.decode(prompts).sequences == expected
@@ -145,9 +146,9 @@ def test_the_linear_probe_runs_on_the_thread_that_decodes(monkeypatch):
     def probe(model, setting):  # no mode: forwards run torch's kernels
         probed_on.append(threading.current_thread())
 
-    monkeypatch.setattr(jacobi, "faster_linear", probe)
+    monkeypatch.setattr(model_runner, "faster_linear", probe)
     model = tiny_model(next(iter(ARCHITECTURES)))
-    decoder = JacobiDecoder(model, DecodeConfig(method="ar", max_new_tokens=4), [], 0)
+    decoder = Decoder(model, DecodeConfig(method="ar", max_new_tokens=4), [], 0)
     assert probed_on == []  # building the decoder measures nothing
     worker = threading.Thread(target=decoder.decode, args=([[5, 6, 7]],))
     worker.start()
@@ -165,7 +166,7 @@ def test_with_the_mode_on_every_method_is_its_own_ar_and_every_process_computes_
     import sys
     from pathlib import Path
 
-    from jfcore.decoding import linear
+    from jfcore.decoding.runner import linear
 
     monkeypatch.setenv("JF_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
@@ -185,7 +186,8 @@ def test_with_the_mode_on_every_method_is_its_own_ar_and_every_process_computes_
 
     script = f"""
 import json, torch
-from jfcore.decoding import DecodeConfig, decode, linear
+from jfcore.decoding import DecodeConfig, decode
+from jfcore.decoding.runner import linear
 from tests.support.tiny_models import tiny_model
 linear.MIN_WEIGHT = 0
 torch.set_num_threads({torch.get_num_threads()})

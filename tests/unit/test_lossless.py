@@ -134,12 +134,11 @@ def test_recycling_and_long_runs_are_exercised():
 def test_continuous_batching_matches_generate(arch, method, block_size, arrivals, cancel):
     """Prompts that join a running batch at any step, each with its own token budget, still get exactly their
     own greedy tokens; a row cancelled mid-flight leaves the others untouched."""
-    from jfcore.decoding.jacobi import JacobiDecoder
-    from jfcore.decoding.scheduler import LiveBatch
+    from jfcore.decoding.decoder import Decoder
 
     m = model(arch)
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=MAX_NEW, pool_size=2)
-    live = LiveBatch(JacobiDecoder(m, config, eos_token_ids=[], pad_token_id=0))
+    live = Decoder(m, config, eos_token_ids=[], pad_token_id=0).scheduler()
     rows, cancelled = run_arrivals(live, arrivals, cancel)
     for row, (p, _, budget) in rows:
         if row is cancelled:

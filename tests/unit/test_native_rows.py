@@ -1,39 +1,61 @@
-"""The step with its rules in C (jfcore/decoding/native_rows.py, _rows.c) against the Python rules of jacobi.py."""
+"""The rules in C (jfcore/decoding/rules/native.py, _rows.c) against the Python rules (rules/python.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from jfcore.decoding import DecodeConfig, StepEvent, native_rows
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.lookup import CPromptLookup
-from jfcore.decoding.native_rows import _native
-from jfcore.decoding.ngram_pool import CNgramPool, NgramPool
+from jfcore.decoding import DecodeConfig, StepEvent
+from jfcore.decoding.candidates.ngram_pool import NgramPool
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.row import Row
+from jfcore.decoding.rules import native
+from jfcore.decoding.rules.native import NativeRules, _native
+from jfcore.decoding.rules.python import PythonRules
 from tests.support.tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 
-def test_the_c_step_is_built_and_taken_where_it_applies():
-    """The install builds it where a C compiler is at hand (pyproject.toml); without one decoding goes on with the
-    Python rules, and this test says so."""
-    assert _native is not None, "jfcore/decoding/_rows.c was not built: install a C compiler, then pip install -e ."
+def test_the_c_rules_are_built_and_taken_for_every_method():
+    """The install builds them where a C compiler is at hand (pyproject.toml); without one decoding goes on with
+    the Python rules, and this test says so. The decoder is the one place that picks them."""
+    assert native.available(), "jfcore/decoding/rules/_rows.c was not built: install a C compiler, pip install -e ."
     m = tiny_model("llama")
-    for method in ("ar", "jacobi", "multiblock"):
-        decoder = JacobiDecoder(m, DecodeConfig(method=method), [], 0)
-        assert decoder.native_step is not None and decoder.batch_tensors_from is None
     for config in (
+        DecodeConfig(method="ar"),
+        DecodeConfig(method="jacobi"),
+        DecodeConfig(method="multiblock"),
         DecodeConfig(method="ar", lookup_tokens=2),
         DecodeConfig(method="multiblock", lookup_tokens=2),
         DecodeConfig(method="jacobi", record_trajectories=True),
     ):
-        decoder = JacobiDecoder(m, config, [], 0)
-        assert decoder.native_step is not None and decoder.batch_tensors_from is None, config.describe()
+        assert type(Decoder(m, config, [], 0).rules) is NativeRules, config.describe()
+        assert type(Decoder(m, config, [], 0, rules="python").rules) is PythonRules
+    with pytest.raises(ValueError, match="rules must be"):
+        Decoder(m, DecodeConfig(), [], 0, rules="c")
 
 
-def _run(decoder: JacobiDecoder, prompts):
+def test_the_c_codes_contract_names_only_what_python_has():
+    """The C rules read and write `Row` fields by name and call back methods of the rules object by name: every
+    field they name is a field of `Row`, every callback a public method of `PythonRules`, and the C source calls
+    back nothing else."""
+    fields = {f.name for f in dataclasses.fields(Row)}
+    assert set(_native.ROW_FIELDS) <= fields, set(_native.ROW_FIELDS) - fields
+    assert len(_native.ROW_FIELDS) == 14  # a name dropped from the C list would go unchecked
+    for name in _native.CALLBACKS:
+        assert not name.startswith("_") and callable(getattr(PythonRules, name, None)), name
+    source = (Path(native.__file__).parent / "_rows.c").read_text()
+    assert set(re.findall(r'PyObject_CallMethod\(rules->callbacks, "(\w+)"', source)) == set(_native.CALLBACKS)
+    assert "PyObject_CallMethod(" not in re.sub(r'PyObject_CallMethod\(rules->callbacks, "\w+"', "", source)
+    assert "GetAttrString" not in source and "SetAttrString" not in source  # every name goes through ROW_FIELDS
+
+
+def _run(decoder: Decoder, prompts):
     events: list[StepEvent] = []
     decoder.on_step = events.append
     out = decoder.decode(prompts)
@@ -75,7 +97,7 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
             config = replace(config, lookup_within=True)
         if config.method == "jacobi" and not config.lookup_tokens and not config.temperature and rng.random() < 0.7:
             config = replace(config, record_trajectories=True)
-        text = JacobiDecoder(m, config, [], 0).decode(prompts[:1]).sequences[0]  # EOS that some row meets
+        text = Decoder(m, config, [], 0).decode(prompts[:1]).sequences[0]  # EOS that some row meets
         eos = rng.choice([[], [text[len(text) // 2]], [3, text[-1]]])
         cases.append((config, prompts, eos))
     # Long multiblock decodes: pooled candidates win (each architecture's model repeats itself within 120 tokens),
@@ -85,12 +107,10 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
     cases.append((replace(long, lookup_tokens=6, lookup_ngram=2), [[5, 6, 7, 8] * 4, [9, 10]], []))
     # Recorded trajectories: blocks used up, and rows that end at EOS or their budget mid-block.
     recording = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=30, record_trajectories=True)
-    text = JacobiDecoder(m, recording, [], 0).decode([[9, 10, 11]]).sequences[0]
+    text = Decoder(m, recording, [], 0).decode([[9, 10, 11]]).sequences[0]
     cases.append((recording, [[5, 6, 7], [9, 10, 11], [3]], [text[13]]))
     for config, prompts, eos in cases:
-        in_c = JacobiDecoder(m, config, eos, 0)
-        python = JacobiDecoder(m, config, eos, 0)
-        python.native_step = None
+        in_c, python = Decoder(m, config, eos, 0), Decoder(m, config, eos, 0, rules="python")
         got, expected = _run(in_c, prompts), _run(python, prompts)
         assert got == expected, config.describe()
         recycled += got[3]
@@ -102,7 +122,7 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
 def test_above_the_c_choice_size_torchs_choice_feeds_the_same_rules(monkeypatch):
     """Over many logits the step takes torch's greedy choice (`C_CHOICE_LOGITS`): the same decodes as the Python
     rules, here with every step over that size."""
-    monkeypatch.setattr(native_rows, "C_CHOICE_LOGITS", 0)
+    monkeypatch.setattr(native, "C_CHOICE_LOGITS", 0)
     m = tiny_model("qwen2")
     prompts = [[5, 6, 7, 8] * 3, [9, 10], [11]]
     for config in (
@@ -110,9 +130,8 @@ def test_above_the_c_choice_size_torchs_choice_feeds_the_same_rules(monkeypatch)
         DecodeConfig(method="jacobi", block_size=4, max_new_tokens=30, record_trajectories=True),
         DecodeConfig(method="ar", max_new_tokens=30, lookup_tokens=4, lookup_ngram=2),
     ):
-        python = JacobiDecoder(m, config, [], 0)
-        python.native_step = None
-        assert _run(JacobiDecoder(m, config, [], 0), prompts) == _run(python, prompts), config.describe()
+        python = Decoder(m, config, [], 0, rules="python")
+        assert _run(Decoder(m, config, [], 0), prompts) == _run(python, prompts), config.describe()
 
 
 def test_the_c_greedy_choice_is_torchs():
@@ -139,15 +158,18 @@ def test_the_c_greedy_choice_is_torchs():
 
 def test_the_c_step_says_what_is_wrong():
     m = tiny_model("llama")
-    decoder = JacobiDecoder(m, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0)
-    row = decoder.new_row(0, [5, 6, 7])
-    decoder._carry_on(row, 9, guess=9, progress=0)
-    for pool in (NgramPool(2, 3), CNgramPool.__new__(CNgramPool)):  # the Python pool; a C one never initialised
+    decoder = Decoder(m, DecodeConfig(method="multiblock", block_size=4, pool_size=2), [], 0)
+    row = decoder.rules.new_row(0, [5, 6, 7])
+    decoder.rules.begin(row, 9)
+    for pool in (
+        NgramPool(2, 3),
+        _native.NgramPool.__new__(_native.NgramPool),
+    ):  # the Python pool; a C one never initialised
         row.pool = pool
         with pytest.raises(TypeError, match="pool in C"):
             _native.layout([row], 0, 2, False, False)
     with pytest.raises(RuntimeError, match="__init__ was not called"):
-        CPromptLookup.__new__(CPromptLookup).extend([1, 2])
+        _native.PromptLookup.__new__(_native.PromptLookup).extend([1, 2])
     with pytest.raises(ValueError, match="logits: expected 256 bytes"):
         _native.greedy(torch.zeros(2, 16).numpy(), None, 1, 1, 64)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.lookup import BatchLookup, CPromptLookup, PromptLookup, RowLookup, simulate
+from jfcore.decoding.candidates.lookup import PromptLookup
+from jfcore.decoding.rules.native import NativeRules, _native
+from jfcore.tuning.replay import simulate
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 
 MAX_NEW = 48
@@ -82,12 +83,15 @@ def test_copied_candidates_are_accepted_and_replayed_exactly():
     assert out.stats.tpf > 4 and max(widths) == 6  # the copy takes the draft's place: no extra positions
 
 
+CPromptLookup = _native.PromptLookup if _native is not None else None
 LOOKUPS = [PromptLookup, CPromptLookup]  # the reference and its C twin (None where it was not built: those tests fail)
 
 
-def test_rows_use_the_c_lookup():
-    assert CPromptLookup is not None, "jfcore/decoding/_lookup.c was not built: install a C compiler, pip install -e ."
-    assert RowLookup is CPromptLookup
+def test_the_c_rules_rows_use_the_c_lookup():
+    assert CPromptLookup is not None, (
+        "jfcore/decoding/rules/_lookup.c was not built: install a C compiler, pip install -e ."
+    )
+    assert type(NativeRules(DecodeConfig(method="ar", lookup_tokens=3), [], 0).new_row(0, [1]).lookup) is CPromptLookup
 
 
 @pytest.mark.parametrize("PromptLookup", LOOKUPS, ids=["python", "c"])
@@ -144,39 +148,6 @@ def test_the_c_lookup_proposes_and_adapts_like_the_python_one(text, max_ngram, m
             lookup.update(len(proposed), taken)
             lookup.extend([next_token, *proposed[:taken]])
         assert (c.length, c.text) == (python.length, python.text)
-
-
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(
-    texts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=14), min_size=1, max_size=5),
-    max_ngram=st.integers(1, 4),
-    max_tokens=st.integers(1, 6),
-    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 7), st.integers(0, 6)), min_size=1, max_size=8),
-)
-def test_batch_lookup_proposes_and_adapts_like_the_index(texts, max_ngram, max_tokens, steps):
-    """Row by row, `BatchLookup` gives `PromptLookup`'s candidate, count and length, step after step: texts over
-    a 5-token vocabulary repeat, so matches of every length, overlaps with the end and wrap-around copies occur."""
-    rows = [PromptLookup(max_ngram, max_tokens, t) for t in texts]
-    batch = BatchLookup(max_ngram, max_tokens)
-    batch.add(texts, [len(steps) * 8] * len(texts))
-    for next_token, limit, accepted in steps:
-        expected = [r.propose(next_token, limit) for r in rows]
-        n = len(texts)
-        copied, count = batch.propose(torch.full((n,), next_token), torch.full((n,), limit))
-        assert [c[:k] for c, k in zip(copied.tolist(), count.tolist())] == expected
-        assert all(c[k:] == [0] * (max_tokens - k) for c, k in zip(copied.tolist(), count.tolist()))
-        taken = [min(accepted, len(e)) for e in expected]
-        committed = [[next_token, *e[:k]] for e, k in zip(expected, taken)]
-        for r, e, k, c in zip(rows, expected, taken, committed):
-            r.update(len(e), k)
-            r.extend(c)
-        batch.update(count, torch.tensor(taken))
-        width = max(len(c) for c in committed)
-        batch.extend(
-            torch.tensor([c + [0] * (width - len(c)) for c in committed]), torch.tensor([len(c) for c in committed])
-        )
-        assert batch.length.tolist() == [r.length for r in rows]
-        assert [t[:size] for t, size in zip(batch.text.tolist(), batch.size.tolist())] == [r.text for r in rows]
 
 
 @pytest.mark.parametrize(

@@ -237,8 +237,8 @@ def test_every_ablation_variant_is_a_valid_recipe():
 @pytest.mark.parametrize("name", ["eval_smollm2_cpu.yaml", "eval_smollm2_ablation_cpu.yaml"])
 def test_evaluation_configs_load(name):
     """The jf-eval configs: every key known, both models and every benchmark named."""
+    from cli.evaluate import SECTIONS
     from jfcore.config import load_sections
-    from tasks.evaluation import SECTIONS
 
     config = load_sections(REPO / "configs" / name, SECTIONS, required=("evaluation",))["evaluation"]
     assert set(config.models) == {"base", "trained"} and config.benchmarks

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.jacobi import JacobiDecoder
+from jfcore.decoding.decoder import Decoder
 from jfcore.decoding.reference import sample_sequentially
 from jfcore.decoding.sampling import (
     Sampling,
@@ -31,7 +31,6 @@ from jfcore.decoding.sampling import (
     noise_keys,
     warp,
 )
-from jfcore.decoding.scheduler import LiveBatch
 from tests.support.tiny_models import tiny_model
 
 METHODS = {
@@ -177,11 +176,11 @@ def test_every_method_returns_the_tokens_of_sequential_sampling(arch):
 
 
 @pytest.mark.parametrize("method", ["jacobi n4", "ar + lookup"])
-@pytest.mark.parametrize("batch_tensors", [False, True])
-def test_rows_with_their_own_settings_share_a_batch(batch_tensors, method):
+@pytest.mark.parametrize("rules", ["native", "python"])
+def test_rows_with_their_own_settings_share_a_batch(rules, method):
     """A batch mixing greedy rows and sampled rows with their own temperature, top-k, top-p, seed and sample index
     (as a server's requests do), with a row joining mid-decode: each row gets its own sequential-sampling tokens,
-    row by row (the C step where built) and as batch tensors (forced: where the C step is built, it runs instead)."""
+    with the C rules and with the Python ones."""
     m = tiny_model("qwen3")
     rng = random.Random(5)
     keys = [
@@ -195,12 +194,7 @@ def test_rows_with_their_own_settings_share_a_batch(batch_tensors, method):
         (Sampling(temperature=0.9, seed=5), 0),
     ]
     prompts = [[rng.randrange(1, 96) for _ in range(rng.randrange(2, 9))] for _ in keys]
-    decoder = JacobiDecoder(m, DecodeConfig(**EXACT_METHODS[method], max_new_tokens=12), [], 0)
-    if batch_tensors:
-        decoder.batch_tensors_from = 1
-        decoder._step = None  # the row-by-row step: calling it would fail the test
-    live = LiveBatch(decoder, batch_tensors=batch_tensors)
-    assert (live.plain is not None) == batch_tensors
+    live = Decoder(m, DecodeConfig(**EXACT_METHODS[method], max_new_tokens=12), [], 0, rules=rules).scheduler()
     rows = live.add(prompts[:-1], None, keys[:-1])
     live.step()
     rows += live.add(prompts[-1:], None, keys[-1:])
@@ -223,7 +217,7 @@ def test_identical_prompts_are_prefilled_once():
         lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
     try:
-        live = LiveBatch(JacobiDecoder(m, DecodeConfig(method="jacobi", block_size=3, max_new_tokens=10), [], 0))
+        live = Decoder(m, DecodeConfig(method="jacobi", block_size=3, max_new_tokens=10), [], 0).scheduler()
         rows = live.add(prompts, None, keys)
         while live.rows:
             live.step()

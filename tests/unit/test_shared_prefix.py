@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from transformers import MistralConfig, MistralForCausalLM
 
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.jacobi import JacobiDecoder
-from jfcore.decoding.scheduler import LiveBatch
-from jfcore.decoding.shared_prefix import Prefix, PrefixRows, attend, prefill, supported
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.runner.shared_prefix import Prefix, PrefixRows, attend, prefill, supported
+from jfcore.decoding.scheduler import Scheduler
 from tests.support.arrivals import run_arrivals
 from tests.support.tiny_models import ARCHITECTURES, COMMON, LLAMA_LIKE, greedy_reference, position_model, tiny_model
 
@@ -26,9 +26,9 @@ def model(arch: str):
     return position_model() if arch == "position" else tiny_model(arch)
 
 
-def live_batch(m, method: str, block_size: int = 4, share: int = 3) -> LiveBatch:
+def live_batch(m, method: str, block_size: int = 4, share: int = 3) -> Scheduler:
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=MAX_NEW, share_prefix_tokens=share)
-    return LiveBatch(JacobiDecoder(m, config, eos_token_ids=[], pad_token_id=0))
+    return Decoder(m, config, eos_token_ids=[], pad_token_id=0).scheduler()
 
 
 suffix = st.lists(st.integers(0, 95), min_size=1, max_size=6)
@@ -52,7 +52,7 @@ def test_shared_prefixes_match_generate(arch, method, block_size, first, arrival
     m = model(arch)
     live = live_batch(m, method, block_size)
     events = []
-    live.decoder.on_step = events.append
+    live.on_step = events.append
     opening = [(OPENINGS[0] + first, 0, MAX_NEW), (OPENINGS[0] + first + [7], 0, MAX_NEW)]
     later = [((OPENINGS[o] if o is not None else []) + s, at, n) for o, s, at, n in arrivals]
 
@@ -102,19 +102,16 @@ def test_a_shared_prefix_is_held_once(method):
     assert m.config._attn_implementation == "sdpa"  # the wrapping attention is only ever on inside a forward
 
 
-def test_shared_prefix_batch_tensors_and_sharing_off_agree():
-    """Many rows on the batch-tensor path (forced: where the C step is built, a decode takes that instead) with and
-    without sharing give the same tokens, equal to generate's."""
+def test_shared_prefix_and_sharing_off_agree_with_either_rules():
+    """Many rows with the C rules and with the Python ones, with and without sharing, give the same tokens, equal
+    to generate's."""
     m = model("qwen2")
     prompts = [OPENINGS[1] + [i % 90, (3 * i) % 90] for i in range(12)]
-    runs = {}
+    runs = []
     for share in (0, 4):
         config = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=MAX_NEW, share_prefix_tokens=share)
-        decoder = JacobiDecoder(m, config, [], 0)
-        decoder.batch_tensors_from = 1
-        decoder._step = None  # the row-by-row step (C or Python): calling it would fail the test
-        runs[share] = decoder.decode(prompts).sequences
-    assert runs[4] == runs[0] == [greedy_reference(m, p, MAX_NEW) for p in prompts]
+        runs += [Decoder(m, config, [], 0, rules=rules).decode(prompts).sequences for rules in ("native", "python")]
+    assert runs == [[greedy_reference(m, p, MAX_NEW) for p in prompts]] * 4
 
 
 def test_recorded_trajectories_do_not_depend_on_sharing():

@@ -76,7 +76,7 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     recipe = tmp_path / "train.yaml"
     recipe.write_text("training: {data: d, output_dir: o}\nlaunh: {processes: 2}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.training", "--config", str(recipe)],
+        [sys.executable, "-m", "cli.train", "--config", str(recipe)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -88,7 +88,7 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     )
     recipe.write_text("training: {data: d, output_dir: o}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.training", "--config", str(recipe), "--set", "training.epoch=2"],
+        [sys.executable, "-m", "cli.train", "--config", str(recipe), "--set", "training.epoch=2"],
         capture_output=True,
         text=True,
         cwd=REPO,

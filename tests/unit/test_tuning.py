@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from cli.tune import main as jf_tune
 from jfcore import machine as engine_identity
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
@@ -17,7 +18,6 @@ from jfcore.tuning.acceptance import greedy_pass, record_drafts
 from jfcore.tuning.cost import CostCurve, measure_curve
 from jfcore.tuning.predict import predict
 from jfcore.tuning.split import TuningSet, check_disjoint, load_split
-from tasks.tuning import main as jf_tune
 from tests.support.tiny_models import save_tiny_checkpoint, tiny_model
 
 PROMPTS = [[40, 41, 40, 41, 40], [5, 6, 7, 8], [1, 2, 3], [9, 9, 30, 31, 9]]

@@ -1,4 +1,4 @@
-/* The prompt lookup of jfcore/decoding/lookup.py (`PromptLookup`) in C: the same index and the same candidates.
+/* The prompt lookup of jfcore/decoding/candidates/lookup.py (`PromptLookup`) in C: the same index and the same candidates.
 
    That module is the reference and says how prompt lookup works (docs/DESIGN.md, section 7); this file is what
    rows use where it was built, so that the C step (_rows.c) proposes, adapts and extends without Python. The
@@ -264,8 +264,8 @@ static PyGetSetDef Lookup_getset[] = {
 
 PyTypeObject LookupType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "jfcore.decoding._native.PromptLookup",
-    .tp_doc = "PromptLookup(max_ngram, max_tokens, text=()): jfcore/decoding/lookup.py's prompt lookup, in C.",
+    .tp_name = "jfcore.decoding.rules._native.PromptLookup",
+    .tp_doc = "PromptLookup(max_ngram, max_tokens, text=()): jfcore/decoding/candidates/lookup.py's prompt lookup, in C.",
     .tp_basicsize = sizeof(Lookup),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

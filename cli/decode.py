@@ -27,9 +27,9 @@ from jfcore.chat import encode_chat, read_jsonl
 from jfcore.config import ConfigError
 from jfcore.decoding import decode, special_tokens
 from jfcore.decoding.config import COMPILE_MODES, LINEAR_MODES
-from jfcore.decoding.linear import faster_linear
 from jfcore.decoding.reference import first_divergence, hf_generate
-from jfcore.decoding.slots import device_sync
+from jfcore.decoding.runner.linear import faster_linear
+from jfcore.decoding.runner.slots import device_sync
 from jfcore.machine import this_machine
 from jfcore.metadata import decoding_for
 from jfcore.models import ModelConfig, load_model, resolve_checkpoint

@@ -58,7 +58,7 @@ def jf_serve(folder: Path, *args: str, api_key: str | None = None):
     if api_key:
         env["JF_API_KEY"] = api_key  # through the environment, as a deployment would pass a secret
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "tasks.serve", "--port", str(port), *args]
+    command = [sys.executable, "-m", "cli.serve", "--port", str(port), *args]
     with child_server("jf-serve", command, f"{url}/health", folder / f"serve-{port}.log", env):
         yield url
 

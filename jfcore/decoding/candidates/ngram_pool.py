@@ -31,7 +31,7 @@ class NgramPool:
     tuples unless a decode repeats the same few n-grams for very long, and even
     then it is tens of bytes a token where SmolLM2-135M's KV cache holds 46 KB.
 
-    This class is the reference; rows use `RowPool`, the same pool in C where it was built.
+    This class is the reference; the C rules' rows use the same pool in C (jfcore/decoding/rules/_ngram.c).
     """
 
     def __init__(self, size: int, ngram_size: int):
@@ -79,13 +79,3 @@ class NgramPool:
             if gram and gram not in out:
                 out.append(gram)
         return out
-
-
-try:  # the same records and reads in C (jfcore/decoding/_ngram.c), built at install where a compiler is at hand
-    from jfcore.decoding._native import NgramPool as CNgramPool
-except ImportError:  # installed without a C compiler
-    CNgramPool = None
-
-# What a row's pool is: right after a forward, the Python pools' dictionary and boxed-integer accesses were about a
-# fifth of a 64-row multiblock step's host time (docs/DESIGN.md, "The n-gram pools").
-RowPool = CNgramPool or NgramPool

@@ -1,13 +1,14 @@
 """A row's decoding state: its prompt, output, the draft blocks in flight and what it has counted
-(docs/DESIGN.md, section 1). The rules that change it are in jfcore/decoding/jacobi.py."""
+(docs/DESIGN.md, section 1). The rules that change it are in jfcore/decoding/rules/; the C ones read and write
+the fields named in `_native.ROW_FIELDS` by name (tests/unit/test_native_rows.py checks each is a field here)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
-from jfcore.decoding.lookup import PromptLookup
-from jfcore.decoding.ngram_pool import NgramPool
+from jfcore.decoding.candidates.lookup import PromptLookup
+from jfcore.decoding.candidates.ngram_pool import NgramPool
 from jfcore.decoding.result import BlockTrajectory
 from jfcore.decoding.sampling import GREEDY, Sampling
 
@@ -27,10 +28,10 @@ class Row:
     verified: int = 0  # tokens committed by forwards (these have KV)
     forwards: int = 0
     recycled: int = 0  # tokens committed through candidates (recycled or copied) beyond the draft's own run
-    shared_tokens: int = 0  # prompt tokens read from a shared prefix (jfcore/decoding/shared_prefix.py), not prefilled
+    shared_tokens: int = 0  # prompt tokens read from a shared prefix (runner/shared_prefix.py), not prefilled
     finished: bool = False
-    pool: NgramPool | None = None  # or the same pool in C (`ngram_pool.RowPool`)
-    lookup: PromptLookup | None = None  # or the same lookup in C (`lookup.RowLookup`)
+    pool: NgramPool | None = None  # or the same pool in C (the C rules' rows)
+    lookup: PromptLookup | None = None  # or the same lookup in C (the C rules' rows)
     copied: tuple[int, ...] = ()  # the prompt-lookup candidate of the forward in progress
     rng: random.Random | None = None  # filler draws, seeded per prompt
     sampling: Sampling = GREEDY  # how its tokens are chosen

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from jfcore.config import ConfigError
-from jfcore.decoding.kv_cache import SlotCache, shape_bucket
+from jfcore.decoding.runner.kv_cache import SlotCache, shape_bucket
 
 
 @dataclass

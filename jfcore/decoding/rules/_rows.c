@@ -1,13 +1,13 @@
-/* The row-by-row step of jfcore/decoding/jacobi.py in C: its layout, greedy choice and acceptance rules.
+/* The row rules of jfcore/decoding/rules/python.py in C: its layout, greedy choice and acceptance rules.
 
-   jacobi.py is the reference and says what each rule does (docs/DESIGN.md, sections 1 and 7); this file is the
-   fast path for every step (jfcore/decoding/native_rows.py calls it). Right after a forward the host's caches
+   python.py is the reference and says what each rule does (docs/DESIGN.md, sections 1 and 7); this file is the
+   fast path for every step ((NativeRules in native.py calls it)). Right after a forward the host's caches
    are cold, and there Python's per-row rules, the building of the step's inputs from lists and a dozen small
    tensor operations around the greedy choice were about two thirds of a 64-row multiblock step's host time
    (docs/DESIGN.md, "Rows in C"). The rows stay the Python `Row` objects the rest of the decoder reads and writes:
-   this file changes them exactly as jacobi.py's `_layout` and `_verify` do, with the rows' pool and prompt
-   lookup in C (_ngram.c, _lookup.c), calling the decoder's `filler` for a fresh block's seeded guesses and its
-   `_close_block` to record a trajectory; the step's arrays are bytearrays that torch reads in place. */
+   this file changes them exactly as PythonRules.layout and .commit do, with the rows' pool and prompt
+   lookup in C (_ngram.c, _lookup.c), calling back the rules object's public `filler` for a fresh block's seeded guesses and
+   `close_block` to record a trajectory (CALLBACKS); the Row fields it reads and writes by name are ROW_FIELDS; the step's arrays are bytearrays that torch reads in place. */
 
 #include "_native.h"
 #include <math.h>
@@ -245,7 +245,7 @@ done:
 
 /* layout(rows, pad, max_candidates, within, record) -> (tokens, positions, offsets, valid, meta, width, tree)
 
-   jacobi.py's `_layout` for every row and the step's input arrays (`_step`), row-major [B, width]: tokens (int64,
+   PythonRules.layout for every row and the step's input arrays, row-major [B, width]: tokens (int64,
    padded with `pad`), positions (int64), offsets from the draft's first token (int64, padding 0), valid (bool).
    meta, int64 [B, 2 + 2 * max_candidates]: each row's draft length, its number of candidates, then each
    candidate's first slot and length. tree: whether some row needs the candidate tree mask. */
@@ -429,7 +429,7 @@ typedef struct {
     Py_ssize_t in_flight;   /* blocks in flight at most */
     double spawn_ratio;
     int record;             /* recording trajectories */
-    PyObject *decoder;      /* its `filler(row, count)` draws a fresh block's guesses, `_close_block` records */
+    PyObject *callbacks;    /* its `filler(row, count)` draws a fresh block's guesses, `close_block(row, end)` records */
 } Rules;
 
 /* The row's own state for the length of its update; written back at the end. */
@@ -468,11 +468,11 @@ static int set_empty_list(PyObject *row, PyObject *name) {
     return r;
 }
 
-/* `_close_block`, where trajectories are recorded: the decoder's own, with the row's block_start made current. */
+/* `close_block`, where trajectories are recorded: the rules object's own, with the row's block_start made current. */
 static int close_block(const Rules *rules, State *s, Py_ssize_t end) {
     if (!rules->record) return 0;
     if (set_int(s->row, s_block_start, s->block_start) < 0) return -1;
-    PyObject *r = PyObject_CallMethod(rules->decoder, "_close_block", "On", s->row, end);
+    PyObject *r = PyObject_CallMethod(rules->callbacks, "close_block", "On", s->row, end);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
 }
@@ -535,11 +535,11 @@ static int refill(State *s, const int64_t *tokens, Py_ssize_t n) {
     return 0;
 }
 
-/* `_open_block`: `first`, then the decoder's seeded filler. */
+/* `_open_block`: `first`, then the seeded filler (callbacks.filler). */
 static int open_block(const Rules *rules, State *s, int64_t first) {
     Py_ssize_t size = Py_MIN(rules->block_size, s->max_new_tokens - PyList_GET_SIZE(s->out) - in_flight_tokens(s));
     if (size <= 0) return 0;
-    PyObject *filler = PyObject_CallMethod(rules->decoder, "filler", "On", s->row, size - 1);
+    PyObject *filler = PyObject_CallMethod(rules->callbacks, "filler", "On", s->row, size - 1);
     if (filler == NULL) return -1;
     PyObject *block = PyList_New(0), *head = PyLong_FromLongLong(first), *size_object = PyLong_FromSsize_t(size);
     int r = -1;
@@ -681,10 +681,10 @@ done:
     return result;
 }
 
-/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, record, decoder)
+/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, record, callbacks)
        -> (kept, moved)
 
-   jacobi.py's `_verify` for every row, from `layout`'s tokens and meta and the step's choices (int64 [B, width]).
+   PythonRules.commit for every row, from `layout`'s tokens and meta and the step's choices (int64 [B, width]).
    kept: int64 [B], each row's kept slots (its first ones, once `moved` is applied); moved: int64 triples (row,
    from slot, to slot) of candidate slots that move up to follow the row's first one (`SlotBatch.keep_slots`). */
 static PyObject *verify(PyObject *self, PyObject *args) {
@@ -694,7 +694,7 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     Rules rules;
     if (!PyArg_ParseTuple(args, "O!OOOnOnndpO", &PyList_Type, &rows, &tokens_object, &choices_object, &meta_object,
                           &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.record,
-                          &rules.decoder))
+                          &rules.callbacks))
         return NULL;
     rows = PyList_AsTuple(rows); /* held: callbacks into Python cannot take a row away mid-step */
     if (rows == NULL) return NULL;
@@ -760,6 +760,13 @@ static PyMethodDef functions[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The decoder's row rules and n-gram pool in C.",
                                     -1, functions};
 
+/* PyModule_AddObjectRef for a new reference, which is released either way. */
+static int add_owned(PyObject *m, const char *name, PyObject *value) {
+    int r = value == NULL ? -1 : PyModule_AddObjectRef(m, name, value);
+    Py_XDECREF(value);
+    return r;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject **names[] = {&s_blocks, &s_sizes, &s_out, &s_done, &s_block_start, &s_verified, &s_forwards,
                           &s_recycled, &s_finished, &s_pool, &s_lookup, &s_prompt, &s_max_new_tokens, &s_states};
@@ -770,7 +777,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&LookupType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "NgramPool", (PyObject *)&PoolType) < 0 ||
+    /* The contract with Python, for tests/unit/test_native_rows.py to hold against Row and the rules. */
+    PyObject *fields = PyTuple_New(sizeof(texts) / sizeof(texts[0]));
+    if (fields != NULL)
+        for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) PyTuple_SET_ITEM(fields, i, Py_NewRef(*names[i]));
+    if (add_owned(m, "ROW_FIELDS", fields) < 0 ||
+        add_owned(m, "CALLBACKS", Py_BuildValue("(ss)", "close_block", "filler")) < 0 ||
+        PyModule_AddObjectRef(m, "NgramPool", (PyObject *)&PoolType) < 0 ||
         PyModule_AddObjectRef(m, "PromptLookup", (PyObject *)&LookupType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,6 +1,6 @@
 """The linear layers' kernel choices, measured once per machine and kept (docs/DESIGN.md, "Linear layers on a CPU").
 
-The two ways of a product (jfcore/decoding/linear.py) round differently in the last bits, which can flip a greedy
+The two ways of a product (jfcore/decoding/runner/linear.py) round differently in the last bits, which can flip a greedy
 token where two logits tie to rounding. Timed afresh in every process, the choice, and with it such a token,
 could differ between two runs of the same command. So each choice is measured once on this machine with this
 torch, then kept in `$JF_CACHE_DIR/kernels/<machine>.json`, and every later process computes the way recorded.

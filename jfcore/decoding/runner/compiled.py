@@ -1,13 +1,13 @@
 """Fixed-shape decode forwards: compiled with torch.compile (inductor), or replayed from CUDA graphs.
 
 Both need shapes that repeat, so the slot batch pads queries to powers of two and reads the cache in whole
-granules (jfcore/decoding/slots.py, `SlotCache.fixed_shape`); the first forward, the prefill, stays eager.
+granules (jfcore/decoding/runner/slots.py, `SlotCache.fixed_shape`); the first forward, the prefill, stays eager.
 
 Inductor with frozen weights folds the weights into the graph as constants, so it can prepack them for its matrix
 kernels: on a CPU that is what keeps a forward over q positions close to one over a single position (batch-1
 decoding is memory-bound; eager kernels repack the weights every call). Each new shape compiles once per process
 (`bench/compile_curve.py` measures both). Frozen weights are constants: a model whose weights change after
-compiling (training) needs a fresh compile. CUDA graphs: jfcore/decoding/graphs.py.
+compiling (training) needs a fresh compile. CUDA graphs: jfcore/decoding/runner/graphs.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import weakref
 
 import torch
 
-from jfcore.decoding.graphs import graph_forward
-from jfcore.decoding.kv_cache import SlotCache, shape_bucket
-from jfcore.decoding.slots import FixedForward
+from jfcore.decoding.runner.graphs import graph_forward
+from jfcore.decoding.runner.kv_cache import SlotCache, shape_bucket
+from jfcore.decoding.runner.slots import FixedForward
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

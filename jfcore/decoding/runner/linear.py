@@ -14,7 +14,7 @@ and 4 rows; if the weight-first way is clearly faster there, decode forwards ove
 under `FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
 untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times the two ways on
 that product's operands before computing it, and uses the faster from then on. Both decisions are kept in this
-machine's kernel record (jfcore/decoding/kernel_record.py), so every later process computes the way recorded and
+machine's kernel record (jfcore/decoding/runner/kernel_record.py), so every later process computes the way recorded and
 the same command gives the same tokens in every process. Other dtypes and devices, and products that need
 gradients, go to torch as they are. Both ways compute the same sums in another order: results agree to float
 rounding, which, like any kernel change, can flip a greedy choice only where the top two logits tie to rounding
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from jfcore.decoding.kernel_record import KernelRecord, this_machines_record
-from jfcore.decoding.kv_cache import shape_bucket
+from jfcore.decoding.runner.kernel_record import KernelRecord, this_machines_record
+from jfcore.decoding.runner.kv_cache import shape_bucket
 
 # Products of more rows go to torch unchanged: its kernels do about as well there (weight first gained 0-30% at
 # 32-128 rows on the host above), and a forward over more positions runs without the mode, whose Python dispatch

@@ -1,4 +1,4 @@
-/* The rejection-recycling pool of jfcore/decoding/ngram_pool.py in C: the same records and the same reads.
+/* The rejection-recycling pool of jfcore/decoding/candidates/ngram_pool.py in C: the same records and the same reads.
 
    That module is the reference and says how the pool works; this file is its fast path (docs/DESIGN.md,
    "The n-gram pools"). A multiblock step adds a rejected tail to every row's pool and reads one first
@@ -248,8 +248,8 @@ static PyMethodDef Pool_methods[] = {
 
 PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "jfcore.decoding._native.NgramPool",
-    .tp_doc = "NgramPool(size, ngram_size): jfcore/decoding/ngram_pool.py's pool, in C.",
+    .tp_name = "jfcore.decoding.rules._native.NgramPool",
+    .tp_doc = "NgramPool(size, ngram_size): jfcore/decoding/candidates/ngram_pool.py's pool, in C.",
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -1,4 +1,4 @@
-/* What the C files of jfcore.decoding._native share: the n-gram pool (_ngram.c) and the prompt lookup
+/* What the C files of jfcore.decoding.rules._native share: the n-gram pool (_ngram.c) and the prompt lookup
    (_lookup.c), which the row rules (_rows.c) use without going through Python. */
 
 #ifndef JF_NATIVE_H

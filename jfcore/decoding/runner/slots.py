@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from jfcore.decoding.head import split_head
-from jfcore.decoding.kv_cache import GRANULE, SlotCache, granules, shape_bucket
-from jfcore.decoding.linear import FasterLinear
-from jfcore.decoding.shared_prefix import Prefix, PrefixRows, use_wrapper
+from jfcore.decoding.runner.head import split_head
+from jfcore.decoding.runner.kv_cache import GRANULE, SlotCache, granules, shape_bucket
+from jfcore.decoding.runner.linear import FasterLinear
+from jfcore.decoding.runner.shared_prefix import Prefix, PrefixRows, use_wrapper
 
 FixedForward = Callable[[SlotCache, dict[str, torch.Tensor]], torch.Tensor]  # (cache, inputs) -> logits
 
@@ -45,9 +45,9 @@ class SlotBatch:
         linear: FasterLinear | None = None,
     ):
         """`fixed_forward`: runs decode forwards at fixed shapes (compiled, or CUDA graphs:
-        jfcore/decoding/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in
+        jfcore/decoding/runner/compiled.py): the query width padded to a bucket (`shape_bucket`) and the cache read in
         whole granules (the first forward, the prefill, stays eager: prompts have any length). `linear`: the mode
-        eager forwards run under (jfcore/decoding/linear.py; None: torch's own linear layers)."""
+        eager forwards run under (jfcore/decoding/runner/linear.py; None: torch's own linear layers)."""
         self.model = model
         self.fixed_forward = fixed_forward
         self.linear = linear
@@ -60,7 +60,7 @@ class SlotBatch:
         self.forward_seconds = 0.0
         self._sync = device_sync(self.device)
         self.shared: PrefixRows | None = (
-            None  # which shared prompt prefix each row reads (jfcore/decoding/shared_prefix.py)
+            None  # which shared prompt prefix each row reads (jfcore/decoding/runner/shared_prefix.py)
         )
 
     @property
@@ -101,7 +101,7 @@ class SlotBatch:
         tokens (others are row padding), `positions` are their position ids. `tree` [B, Q, Q], if
         given, says which new tokens each new token may attend to, row padding hidden (default: causal).
         Returns logits [B, Q, V], or with `packed` (and a model whose head can
-        be split off: jfcore/decoding/head.py) [N, V] for the N real queries
+        be split off: jfcore/decoding/runner/head.py) [N, V] for the N real queries
         in row-major order when there is row padding. The Q new slots stay in
         the cache until `keep` decides which of them are committed.
         """

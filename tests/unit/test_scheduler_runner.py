@@ -1,4 +1,5 @@
-"""The batch-tensor step (jfcore/decoding/batch_rows.py) against the row-by-row rules, and the in-place KV cache."""
+"""The scheduler (rows joining and leaving) and the model runner: the in-place KV cache, fixed-shape forwards,
+CUDA-graph storage and the attention mask (jfcore/decoding/scheduler.py, jfcore/decoding/runner/)."""
 
 from __future__ import annotations
 
@@ -10,67 +11,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from jfcore.config import ConfigError
-from jfcore.decoding import DecodeConfig, StepEvent
-from jfcore.decoding.compiled import InductorForward
-from jfcore.decoding.graphs import GraphForward
-from jfcore.decoding.jacobi import JacobiDecoder, _tree
-from jfcore.decoding.kv_cache import GRANULE, SlotCache, SlotLayer, shape_bucket
-from jfcore.decoding.scheduler import LiveBatch, fill_from_the_end
-from jfcore.decoding.slots import SlotBatch, left_pad
-from tests.support.tiny_models import ARCHITECTURES, greedy_reference, tiny_model
+from jfcore.decoding import DecodeConfig
+from jfcore.decoding.decoder import Decoder
+from jfcore.decoding.rules.layout import tree_mask
+from jfcore.decoding.runner.compiled import InductorForward
+from jfcore.decoding.runner.graphs import GraphForward
+from jfcore.decoding.runner.kv_cache import GRANULE, SlotCache, SlotLayer, shape_bucket
+from jfcore.decoding.runner.slots import SlotBatch, left_pad
+from jfcore.decoding.scheduler import fill_from_the_end
+from tests.support.tiny_models import greedy_reference, tiny_model
 
 
-def _run(decoder: JacobiDecoder, prompts):
-    events: list[StepEvent] = []
-    decoder.on_step = events.append
-    out = decoder.decode(prompts)
-    trajectories = None if out.trajectories is None else [[(b.start, b.states) for b in t] for t in out.trajectories]
-    stats = out.stats
-    return out.sequences, stats.forwards_per_row, stats.forward_calls, stats.recycled_tokens, trajectories, events
-
-
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_batch_tensor_rows_follow_the_row_by_row_rules_exactly(arch):
-    """Same tokens, forwards per row, committed candidate tokens, recorded trajectories and per-step events as the
-    row-by-row decoder, over block sizes, budgets, EOS sets, fillers, prompt lookup (AR), ragged prompts and batch
-    sizes."""
-    m = tiny_model(arch)
-    rng = random.Random(arch)
-    for case in range(16):
-        method = rng.choice(["ar", "jacobi", "jacobi", "ar+lookup"])
-        if method == "ar+lookup":  # phrases that repeat: copied candidates are proposed, some accepted
-            phrases = [[rng.randrange(1, 96) for _ in range(rng.randrange(1, 5))] for _ in range(2)]
-            prompts = [rng.choice(phrases) * rng.randrange(1, 4) for _ in range(rng.choice([1, 3, 6]))]
-        else:
-            prompts = [
-                [rng.randrange(1, 96) for _ in range(rng.randrange(1, 12))] for _ in range(rng.choice([1, 3, 6]))
-            ]
-        config = DecodeConfig(
-            method="ar" if method == "ar+lookup" else method,
-            block_size=rng.choice([1, 2, 3, 5, 8, 16]),
-            max_new_tokens=rng.choice([1, 2, 7, 24, 48]),
-            filler=rng.choice(["context", "random"]),
-            seed=case,
-            record_trajectories=method == "jacobi" and rng.random() < 0.5,
-            lookup_tokens=rng.randrange(1, 9) if method == "ar+lookup" else 0,
-            lookup_ngram=rng.randrange(1, 4),
-        )
-        reference = greedy_reference(m, prompts[0], config.max_new_tokens)
-        eos = rng.choice([[], [reference[len(reference) // 2]], [reference[-1], 3]])
-        batched = JacobiDecoder(m, config, eos, 0)
-        batched.batch_tensors_from = 1  # even one row (where the C step applies, a decode would take it instead)
-        row_by_row = JacobiDecoder(m, config, eos, 0)
-        row_by_row.batch_tensors_from = None
-        assert _run(batched, prompts) == _run(row_by_row, prompts)
-
-
-def test_synced_rows_stream_their_tokens_as_they_are_committed():
-    """With `sync_rows` (the server's mode) every row's `out` grows step by step to its greedy continuation, also
-    for rows that join a running batch."""
+@pytest.mark.parametrize("rules", ["native", "python"])
+def test_rows_stream_their_tokens_as_they_are_committed(rules):
+    """Every row's `out` grows step by step to its greedy continuation (a server streams it), also for rows that
+    join a running batch, with either rules."""
     m = tiny_model("llama")
     config = DecodeConfig(block_size=4, max_new_tokens=20)
-    decoder = JacobiDecoder(m, config, [], 0)
-    live = LiveBatch(decoder, sync_rows=True)
+    live = Decoder(m, config, [], 0, rules=rules).scheduler()
     first = live.add([[5, 6, 7]])
     seen = {id(first[0]): [list(first[0].out)]}
     joined = []
@@ -218,12 +176,11 @@ def test_fixed_shape_forwards_are_exact(arch, fixed):
     for config in configs:
         prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, GRANULE - 10, 7)]
         budgets = [20, 12, 5]  # rows leave at different steps: the padded batch shrinks 4 -> 2 -> 1
-        decoder = JacobiDecoder(m, config, [], 0)
-        decoder.fixed_forward = InductorForward(m, module=m) if fixed == "padded widths" else GraphForward(m, False)
-        if decoder.batch_tensors_from is not None:
-            decoder.batch_tensors_from = 1  # the batch-tensor rows on the fixed path too
-        decoder.on_step = lambda event: widths.append(max(event.widths))
-        live = LiveBatch(decoder, batch_tensors=decoder.batch_tensors_from is not None)
+        decoder = Decoder(m, config, [], 0, on_step=lambda event: widths.append(max(event.widths)))
+        decoder.runner.fixed_forward = (
+            InductorForward(m, module=m) if fixed == "padded widths" else GraphForward(m, False)
+        )
+        live = decoder.scheduler()
         rows = live.add(prompts, budgets)
         live.step()
         live.step()
@@ -254,9 +211,9 @@ def test_a_new_decode_moves_into_the_graphs_storage_only_once_the_old_cache_is_g
     prompts = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2]]
 
     def start(prompt):
-        decoder = JacobiDecoder(m, config, [], 0)
-        decoder.fixed_forward = runner
-        live = LiveBatch(decoder, batch_tensors=False)
+        decoder = Decoder(m, config, [], 0)
+        decoder.runner.fixed_forward = runner
+        live = decoder.scheduler()
         return live, live.add([prompt])[0]
 
     live, row = start(prompts[0])
@@ -284,7 +241,7 @@ def test_the_attention_mask_is_built_on_the_models_device(with_tree):
     already). On the meta device any tensor left on the host fails, so this checks the devices without a GPU: the
     tree, and the mask from host row state, a device tree (or none: causal), at a fixed shape's wider view."""
     meta = torch.device("meta")
-    tree = _tree(torch.tensor([[0, 1, 1], [0, 1, 0]]), meta)  # a draft of 1, two candidates of 1; a draft of 2
+    tree = tree_mask(torch.tensor([[0, 1, 1], [0, 1, 0]]), meta)  # a draft of 1, two candidates of 1; a draft of 2
     assert tree.device == meta and tree.shape == (2, 3, 3)
     batch = _prefilled(tiny_model("llama"), [[3, 4, 5], [6, 7]])
     batch.device = meta
@@ -298,7 +255,7 @@ def test_the_attention_mask_is_built_on_the_models_device(with_tree):
 def test_cuda_graphs_on_a_cpu_model_say_what_to_use_instead():
     config = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=4, compile="cuda_graphs")
     with pytest.raises(ConfigError, match="needs the model on a CUDA device, and it is on cpu: use compile='inductor'"):
-        JacobiDecoder(tiny_model("llama"), config, [], 0)
+        Decoder(tiny_model("llama"), config, [], 0)
 
 
 def test_inductor_compiled_decoding_is_greedy():
@@ -307,4 +264,4 @@ def test_inductor_compiled_decoding_is_greedy():
     m = tiny_model("llama")
     prompt = [5, 9, 2, 7]
     config = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=12, compile="inductor")
-    assert JacobiDecoder(m, config, [], 0).decode([prompt]).sequences == [greedy_reference(m, prompt, 12)]
+    assert Decoder(m, config, [], 0).decode([prompt]).sequences == [greedy_reference(m, prompt, 12)]
