@@ -40,5 +40,5 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 "$venv/bin/python" -c 'from jfcore.evaluation.isolation import isolation_problem as p; print("code sandbox:", p() or "isolated (bubblewrap)")'
 # The decoder's rules in C are an optional extension (pyproject.toml): say which rules decoding will run.
-"$venv/bin/python" -c 'from jfcore.decoding.rules import native; print("decoder rules:", "C (jfcore/decoding/rules/_rows.c)" if native.available() else "Python only: the C rules were not built (no C compiler?). Decoding stays exact but its host work is slower; install gcc, then run infra/setup.sh again")'
+"$venv/bin/python" -c 'from jfcore.decoding.rules import native; print("decoder rules:", "C (jfcore/decoding/rules/_step.c)" if native.available() else "Python only: the C rules were not built (no C compiler?). Decoding stays exact but its host work is slower; install gcc, then run infra/setup.sh again")'
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

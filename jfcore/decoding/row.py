@@ -1,6 +1,6 @@
 """A row's decoding state: its prompt, output, the draft blocks in flight and what it has counted
 (docs/DESIGN.md, section 1). The rules that change it are in jfcore/decoding/rules/; the C ones read and write
-the fields named in `_native.ROW_FIELDS` by name (tests/unit/test_native_rows.py checks each is a field here)."""
+the fields named in `_native.ROW_FIELDS` by name (tests/unit/test_native_rules.py checks each is a field here)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 /* The prompt lookup of jfcore/decoding/candidates/lookup.py (`PromptLookup`) in C: the same index and the same candidates.
 
    That module is the reference and says how prompt lookup works (docs/DESIGN.md, section 7); this file is what
-   rows use where it was built, so that the C step (_rows.c) proposes, adapts and extends without Python. The
+   rows use where it was built, so that the C step (_step.c) proposes, adapts and extends without Python. The
    index maps every n-gram of 1..max_ngram tokens of the row's text to the place right after its latest
    occurrence: an open-addressing table of (n, hash, place) entries, an entry's n-gram read back from the text
    itself (the place's n tokens before it) to tell collisions apart. */

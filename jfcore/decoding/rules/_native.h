@@ -1,5 +1,5 @@
 /* What the C files of jfcore.decoding.rules._native share: the n-gram pool (_ngram.c) and the prompt lookup
-   (_lookup.c), which the row rules (_rows.c) use without going through Python. */
+   (_lookup.c), which the row rules (_step.c) use without going through Python. */
 
 #ifndef JF_NATIVE_H
 #define JF_NATIVE_H

@@ -10,7 +10,7 @@
    previous place of the same first token (NONE: none, or the place starts no n-gram); `newest` maps a first
    token to its newest place. Token ids must be in [0, 2**31 - 1].
 
-   The row rules in _rows.c add and read through `pool_add` and `pool_read` directly (_native.h). */
+   The row rules in _step.c add and read through `pool_add` and `pool_read` directly (_native.h). */
 
 #include "_native.h"
 #include <string.h>

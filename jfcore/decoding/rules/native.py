@@ -1,11 +1,11 @@
-"""The decoding rules in C (jfcore/decoding/rules/_rows.c; docs/DESIGN.md, "Rows in C").
+"""The decoding rules in C (jfcore/decoding/rules/_step.c; docs/DESIGN.md, "Rows in C").
 
 `PythonRules` (rules/python.py) is the reference: the same layout of every row's draft and pool candidates, the
 greedy choice at every query, and the same acceptance and draft update, which leave every `Row` as the Python
 rules would. Here a row's pool and prompt lookup are the C ones (_ngram.c, _lookup.c), so the step proposes and
 records without Python. The contract with the C code is explicit: it reads and writes the `Row` fields named in
 `_native.ROW_FIELDS` and calls back only the public methods named in `_native.CALLBACKS` (`filler`, `close_block`)
-of this object; tests/unit/test_native_rows.py holds both to `Row` and `PythonRules`.
+of this object; tests/unit/test_native_rules.py holds both to `Row` and `PythonRules`.
 
 The choice is made in C where every row is greedy and the logits are few and float32 on the CPU, otherwise by
 `sampling.choose` as in Python. The step's arrays are bytearrays filled in C, which torch reads in place.
@@ -46,7 +46,7 @@ class NativeRules(PythonRules):
     def __init__(self, config: DecodeConfig, eos_token_ids, pad_token_id: int):
         if _native is None:
             raise RuntimeError(
-                "the C decoding rules were not built (jfcore/decoding/rules/_rows.c): install a C compiler, then "
+                "the C decoding rules were not built (jfcore/decoding/rules/_step.c): install a C compiler, then "
                 "`pip install -e .` again; or decode with rules='python'"
             )
         super().__init__(config, eos_token_ids, pad_token_id)

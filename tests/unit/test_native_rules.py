@@ -1,4 +1,4 @@
-"""The rules in C (jfcore/decoding/rules/native.py, _rows.c) against the Python rules (rules/python.py)."""
+"""The rules in C (jfcore/decoding/rules/native.py, _step.c) against the Python rules (rules/python.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.support.tiny_models import ARCHITECTURES, VOCAB, tiny_model
 def test_the_c_rules_are_built_and_taken_for_every_method():
     """The install builds them where a C compiler is at hand (pyproject.toml); without one decoding goes on with
     the Python rules, and this test says so. The decoder is the one place that picks them."""
-    assert native.available(), "jfcore/decoding/rules/_rows.c was not built: install a C compiler, pip install -e ."
+    assert native.available(), "jfcore/decoding/rules/_step.c was not built: install a C compiler, pip install -e ."
     m = tiny_model("llama")
     for config in (
         DecodeConfig(method="ar"),
@@ -49,7 +49,7 @@ def test_the_c_codes_contract_names_only_what_python_has():
     assert len(_native.ROW_FIELDS) == 14  # a name dropped from the C list would go unchecked
     for name in _native.CALLBACKS:
         assert not name.startswith("_") and callable(getattr(PythonRules, name, None)), name
-    source = (Path(native.__file__).parent / "_rows.c").read_text()
+    source = (Path(native.__file__).parent / "_step.c").read_text()
     assert set(re.findall(r'PyObject_CallMethod\(rules->callbacks, "(\w+)"', source)) == set(_native.CALLBACKS)
     assert "PyObject_CallMethod(" not in re.sub(r'PyObject_CallMethod\(rules->callbacks, "\w+"', "", source)
     assert "GetAttrString" not in source and "SetAttrString" not in source  # every name goes through ROW_FIELDS

@@ -777,7 +777,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&LookupType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    /* The contract with Python, for tests/unit/test_native_rows.py to hold against Row and the rules. */
+    /* The contract with Python, for tests/unit/test_native_rules.py to hold against Row and the rules. */
     PyObject *fields = PyTuple_New(sizeof(texts) / sizeof(texts[0]));
     if (fields != NULL)
         for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) PyTuple_SET_ITEM(fields, i, Py_NewRef(*names[i]));
