@@ -15,32 +15,42 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from jfcore.decoding.runner.compiled import fixed_forward
 from jfcore.decoding.runner.slots import SlotBatch
 
-torch.manual_seed(0)
-cfg = AutoConfig.from_pretrained(sys.argv[1])
-res = {}
-with torch.inference_mode():
-    for dt in ("float32", "bfloat16"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dt)).cuda().eval()
-        m.config._attn_implementation = "sdpa"
-        for mode in ("off", "cuda_graphs"):
-            s = SlotBatch(m, 1, compact=False, fixed_forward=fixed_forward(m, mode))
-            ctx = 200
-            p = torch.randint(0, 49152, (1, ctx))
-            v = torch.ones(1, ctx, dtype=torch.bool)
-            s.forward(p, v, torch.arange(ctx)[None])
-            s.keep(v)
-            for q in (1, 2, 4, 8, 16, 32):
-                ts = []
-                for r in range(15):
-                    t = torch.randint(0, 49152, (1, q))
-                    torch.cuda.synchronize()
-                    a = time.perf_counter()
-                    s.forward(t, torch.ones(1, q, dtype=torch.bool), torch.arange(ctx, ctx + q)[None]).max(
-                        -1
-                    ).indices.cpu()
-                    torch.cuda.synchronize()
-                    ts.append(time.perf_counter() - a)
-                    s.keep(torch.zeros(1, q, dtype=torch.bool))
-                res[f"{dt} {mode} q{q}"] = round(sorted(ts[3:])[6] * 1000, 3)
-            print({k: v for k, v in res.items() if f"{dt} {mode}" in k}, file=sys.stderr, flush=True)
-print(json.dumps(res))
+
+def main(config_dir: str) -> dict:
+    """t(q) in ms for every dtype, forward mode and q; printed as JSON on stdout, each mode's figures on stderr."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(config_dir)
+    res = {}
+    with torch.inference_mode():
+        for dt in ("float32", "bfloat16"):
+            m = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dt)).cuda().eval()
+            m.config._attn_implementation = "sdpa"
+            for mode in ("off", "cuda_graphs"):
+                s = SlotBatch(m, 1, compact=False, fixed_forward=fixed_forward(m, mode))
+                ctx = 200
+                p = torch.randint(0, 49152, (1, ctx))
+                v = torch.ones(1, ctx, dtype=torch.bool)
+                s.forward(p, v, torch.arange(ctx)[None])
+                s.keep(v)
+                for q in (1, 2, 4, 8, 16, 32):
+                    ts = []
+                    for r in range(15):
+                        t = torch.randint(0, 49152, (1, q))
+                        torch.cuda.synchronize()
+                        a = time.perf_counter()
+                        s.forward(t, torch.ones(1, q, dtype=torch.bool), torch.arange(ctx, ctx + q)[None]).max(
+                            -1
+                        ).indices.cpu()
+                        torch.cuda.synchronize()
+                        ts.append(time.perf_counter() - a)
+                        s.keep(torch.zeros(1, q, dtype=torch.bool))
+                    res[f"{dt} {mode} q{q}"] = round(sorted(ts[3:])[6] * 1000, 3)
+                print({k: v for k, v in res.items() if f"{dt} {mode}" in k}, file=sys.stderr, flush=True)
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
