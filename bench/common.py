@@ -47,8 +47,8 @@ def environment(model_config: ModelConfig) -> dict:
 
 def tuned_settings(model_config: ModelConfig, model, batch_size: int) -> dict:
     """The model's tune for this machine (DecodeConfig keys); an error when it has none."""
+    from jfcore.jacobi_forcing_json import decoding_for, tuned_decoding, tuned_keys
     from jfcore.machine import this_machine
-    from jfcore.metadata import decoding_for, tuned_decoding, tuned_keys
     from jfcore.models import resolve_checkpoint
 
     checkpoint = resolve_checkpoint(model_config)

@@ -30,8 +30,8 @@ from jfcore.decoding.config import COMPILE_MODES, LINEAR_MODES
 from jfcore.decoding.reference import first_divergence, hf_generate
 from jfcore.decoding.runner.linear import faster_linear
 from jfcore.decoding.runner.slots import device_sync
+from jfcore.jacobi_forcing_json import decoding_for
 from jfcore.machine import this_machine
-from jfcore.metadata import decoding_for
 from jfcore.models import ModelConfig, load_model, resolve_checkpoint
 from jfcore.paths import eval_prompts
 

@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from jfcore.jacobi_forcing_json import decoding_for
     from jfcore.machine import this_machine
-    from jfcore.metadata import decoding_for
     from jfcore.models import load_model, resolve_checkpoint
     from jfcore.serving.engine import Engine
     from jfcore.serving.server import ServedModel, create_app

@@ -56,7 +56,9 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "jf_complete.json"  # in a checkpoint: every rank finished saving it
 EXPORTS = "exports"
 FINAL = "final"  # the trained model: a plain HF checkpoint with its tokenizer
-EXPORT_METADATA = "jacobi_forcing.json"  # in an export: training config, steps, block size; the tune (jfcore.metadata)
+EXPORT_METADATA = (
+    "jacobi_forcing.json"  # in an export: training config, steps, block size; the tune (jfcore.jacobi_forcing_json)
+)
 EXPORT_SUMS = "export.json"  # beside final/: checksums of its files, so a changed export is never reused
 METRICS = "metrics.jsonl"  # one record per optimizer step
 ACCEPTANCE = "acceptance.jsonl"  # one record per acceptance measurement on the held-out prompts (and the decoded check)

@@ -16,8 +16,8 @@ from mlflow.pyfunc import PythonModel
 
 class JacobiForcingModel(PythonModel):
     def load_context(self, context) -> None:
+        from jfcore.jacobi_forcing_json import decoding_for
         from jfcore.machine import this_machine
-        from jfcore.metadata import decoding_for
         from jfcore.models import ModelConfig, load_model
 
         self.checkpoint = context.artifacts["checkpoint"]
@@ -28,7 +28,7 @@ class JacobiForcingModel(PythonModel):
     def predict(self, context, model_input, params: dict | None = None) -> list[str]:
         from jfcore.chat import encode_chat
         from jfcore.decoding import decode
-        from jfcore.metadata import decoding_for
+        from jfcore.jacobi_forcing_json import decoding_for
 
         texts = model_input if isinstance(model_input, list) else list(model_input.iloc[:, 0])
         # MLflow fills what the caller left out from the signature's defaults: "tuned" and 0 mean "the model's own".

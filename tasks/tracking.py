@@ -152,7 +152,7 @@ def checkpoint_params(model) -> dict[str, str]:
     """What a checkpoint's LoggedModel shows (jfcore.models.ModelConfig `model`): where it comes from, the block size
     and steps it was trained with and its training folder (the digest of its settings and data), and the decoding
     tuned for it."""
-    from jfcore.metadata import read_metadata, tuned_decoding
+    from jfcore.jacobi_forcing_json import read_metadata, tuned_decoding
 
     folder = Path(model.name_or_path)
     data = read_metadata(folder) if folder.is_dir() else {}
@@ -250,7 +250,7 @@ def logged_model(folder: Path) -> dict | None:
 
 
 # predict()'s parameters and their defaults: "tuned" and block size 0 mean the model's own decoding on the machine
-# that loads it (jfcore.metadata.decoding_for); a caller may name a method and a block size instead.
+# that loads it (jfcore.jacobi_forcing_json.decoding_for); a caller may name a method and a block size instead.
 SERVING_PARAMS = {"method": "tuned", "block_size": 0, "max_new_tokens": 256}
 
 

@@ -24,8 +24,7 @@ from jfcore.config import ConfigError, to_dict
 from jfcore.contracts import EXPORT_METADATA, EXPORT_SUMS, FINAL, RUN_FILE, TUNED_TAG, TUNING
 from jfcore.decoding import DecodeConfig
 from jfcore.evaluation.benchmarks import BenchmarkConfig
-from jfcore.machine import this_engine, this_machine
-from jfcore.metadata import (
+from jfcore.jacobi_forcing_json import (
     TunedBucket,
     TunedDecoding,
     stale_engine,
@@ -34,6 +33,7 @@ from jfcore.metadata import (
     tuned_keys,
     write_tuned,
 )
+from jfcore.machine import this_engine, this_machine
 from jfcore.models import ModelConfig, resolve_checkpoint, source_fingerprint
 from jfcore.shards import run_key
 from jfcore.tuning.tuner import TuneConfig, TuneResult

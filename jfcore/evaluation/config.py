@@ -11,7 +11,7 @@ from jfcore.evaluation.benchmarks import BenchmarkConfig
 from jfcore.models import ModelConfig
 
 # hf_greedy: the reference; hf_prompt_lookup: HF's prompt-lookup decoding (the untrained baseline to beat);
-# jacobi, multiblock: the fixed settings below; tuned: the model's tuned decoding for this machine (jfcore.metadata).
+# jacobi, multiblock: the fixed settings below; tuned: the model's tuned decoding for this machine (jfcore.jacobi_forcing_json).
 MethodName = Literal["hf_greedy", "hf_prompt_lookup", "ar", "jacobi", "multiblock", "tuned"]
 REFERENCE = "hf_greedy"  # every other method's output is compared with this one's, model by model
 SAME_ENGINE_AR = "ar"  # the project's own AR: the same-engine baseline of every method's speedup_vs_ar
@@ -28,7 +28,7 @@ class EvalModel:
 @dataclass(frozen=True, kw_only=True)
 class DecodingSettings:
     """Every method is greedy; `jacobi` and `multiblock` share the DecodeConfig settings below (the fixed
-    configuration); `tuned` reads each model's own tune (jfcore.metadata)."""
+    configuration); `tuned` reads each model's own tune (jfcore.jacobi_forcing_json)."""
 
     methods: tuple[MethodName, ...] = ("hf_greedy", "ar", "jacobi", "multiblock", "tuned")
     max_new_tokens: int = DecodeConfig.max_new_tokens

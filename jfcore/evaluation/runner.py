@@ -18,8 +18,8 @@ from jfcore.decoding.reference import first_divergence
 from jfcore.evaluation.benchmarks import Problem, Score
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalModel
 from jfcore.evaluation.methods import Method, Run, hf_method, project_method
+from jfcore.jacobi_forcing_json import decoding_for, tuned_keys
 from jfcore.machine import this_machine
-from jfcore.metadata import decoding_for, tuned_keys
 from jfcore.models import load_model, model_fingerprint, resolve_checkpoint, tokenizer_fingerprint
 
 

@@ -175,8 +175,8 @@ def test_parquet_outputs(stack, two_runs):
     assert len(samples) == 3 * 2 * 5 and all(s["exact"] for s in samples)  # problems x models x methods
     assert (work / "training" / "latest" / "final" / "config.json").is_file()
     # The tuning stage wrote the trained model's tune for this machine, which evaluation's "tuned" method ran.
+    from jfcore.jacobi_forcing_json import tuned_decoding
     from jfcore.machine import this_machine
-    from jfcore.metadata import tuned_decoding
 
     # The base model, the gate's bar, was tuned too, into its own checkpoint.
     for checkpoint in (work / "training" / "latest" / "final", stack["root"] / "base"):

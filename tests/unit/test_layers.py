@@ -49,7 +49,7 @@ def test_imports_only_go_down_a_floor():
 
 
 def part(module: str) -> str:
-    """A module's part of jfcore: its subpackage (jfcore.decoding) or top module (jfcore.metadata)."""
+    """A module's part of jfcore: its subpackage (jfcore.decoding) or top module (jfcore.jacobi_forcing_json)."""
     return ".".join(module.split(".")[:2])
 
 

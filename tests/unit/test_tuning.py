@@ -12,8 +12,8 @@ from jfcore import machine as engine_identity
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
 from jfcore.evaluation.benchmarks import BenchmarkConfig
+from jfcore.jacobi_forcing_json import TunedBucket, TunedDecoding, decoding_for, tuned_decoding, write_tuned
 from jfcore.machine import this_engine, this_machine
-from jfcore.metadata import TunedBucket, TunedDecoding, decoding_for, tuned_decoding, write_tuned
 from jfcore.tuning.acceptance import greedy_pass, record_drafts
 from jfcore.tuning.cost import CostCurve, measure_curve
 from jfcore.tuning.predict import predict
