@@ -17,13 +17,14 @@ import torch
 @dataclass
 class StepInput:
     """[B, Q] host tensors of one forward: query tokens, which are real (the rest is row padding), their positions,
-    and their offsets past each row's draft[0]. `tree`: some row needs the tree mask. `state`: what the backend
-    that laid it out reads back in its `commit`."""
+    and their offsets past each row's draft[0] (None where no row needs the tree mask and the backend skipped
+    them). `tree`: some row needs the tree mask. `state`: what the backend that laid it out reads back in its
+    `commit`."""
 
     tokens: torch.Tensor
     valid: torch.Tensor
     positions: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     tree: bool
     state: object = None
 

@@ -63,13 +63,13 @@ class NativeRules(PythonRules):
             torch.frombuffer(tokens, dtype=torch.long).view(shape),
             torch.frombuffer(valid, dtype=torch.bool).view(shape),
             torch.frombuffer(positions, dtype=torch.long).view(shape),
-            torch.frombuffer(offsets, dtype=torch.long).view(shape),
+            torch.frombuffer(offsets, dtype=torch.long).view(shape) if tree else None,  # read only for the mask
             tree,
-            (tokens, valid, meta, width),
+            (tokens, valid, offsets, meta, width),
         )
 
     def commit(self, rows: list[Row], step: StepInput, logits: torch.Tensor) -> Kept:
-        tokens, valid, meta, width = step.state
+        tokens, valid, offsets, meta, width = step.state
         cpu_float32 = logits.device.type == "cpu" and logits.dtype == torch.float32
         if cpu_float32 and logits.numel() <= C_CHOICE_LOGITS and all(r.sampling.greedy for r in rows):
             packed = logits.dim() == 2
@@ -80,7 +80,7 @@ class NativeRules(PythonRules):
 
             def generated() -> torch.Tensor:
                 ahead = torch.tensor([len(r.out) + 1 for r in rows])[:, None]
-                return step.offsets + ahead
+                return torch.frombuffer(offsets, dtype=torch.long).view(len(rows), width) + ahead
 
             choices = self.choose(logits, rows, generated, step.valid).numpy()
         kept, moved = _native.verify(rows, tokens, choices, meta, width, *self._verify_rules, self.record, self)
