@@ -235,7 +235,7 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
         "  benchmarks: [{name: gsm8k}]\n  decoding: {block_sise: 8}\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.evaluation", "--config", str(recipe)],
+        [sys.executable, "-m", "cli.evaluate", "--config", str(recipe)],
         capture_output=True,
         text=True,
         cwd=REPO,
