@@ -686,7 +686,7 @@ done:
 
    PythonRules.commit for every row, from `layout`'s tokens and meta and the step's choices (int64 [B, width]).
    kept: int64 [B], each row's kept slots (its first ones, once `moved` is applied); moved: int64 triples (row,
-   from slot, to slot) of candidate slots that move up to follow the row's first one (`SlotBatch.keep_slots`). */
+   from slot, to slot) of candidate slots that move up to follow the row's first one (`SlotBatch.keep_first`). */
 static PyObject *verify(PyObject *self, PyObject *args) {
     PyObject *rows, *tokens_object, *choices_object, *meta_object;
     Py_ssize_t width;

@@ -186,36 +186,25 @@ class SlotBatch:
         used = self.valid.any(dim=0).nonzero()
         self._crop(int(used[-1]) + 1 if len(used) else 0)
 
-    def keep_slots(self, kept: list[list[int]]) -> None:
-        """`keep` for kept slot indices per row (each within the last forward's slots, ascending), without a
-        [B, Q] tensor built row by row, and the crop read off the lists.
+    def keep_first(self, counts: torch.Tensor, moved: torch.Tensor | None = None) -> None:
+        """`keep` as each row's number of kept slots (host [B]), which are its first new ones once `moved` [M, 3]
+        (row, from, to: slots counted from the last forward's first) is applied, without a [B, Q] tensor built row
+        by row.
 
         A row that commits a candidate keeps its first slot and the candidate's, tens of slots further on: left
         there, they would hold every other row's new slots up to them as holes (a 64-row multiblock decode of 64
         tokens compacted its whole cache 11 times in 63 steps; now never). So in a cache written in place, kept
-        slots are moved up to follow the row's first one (a few slots' keys and values; each keeps its position),
-        and every row's kept slots are the first of the new ones."""
-        if self.cache.in_place:
-            gapped = (b for b, slots in enumerate(kept) if slots and slots[-1] >= len(slots))
-            moved = [(b, s, i) for b in gapped for i, s in enumerate(kept[b]) if s != i]
-            self.keep_first(host_tensor([len(slots) for slots in kept]), host_tensor(moved) if moved else None)
-            return
-        start = self._new
-        rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
-        self._valid[rows, host_tensor([s for slots in kept for s in slots]) + start] = True
-        # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all rows.
-        self._crop(start + max((slots[-1] + 1 for slots in kept if slots), default=0))
-
-    def keep_first(self, counts: torch.Tensor, moved: torch.Tensor | None = None) -> None:
-        """`keep_slots` as each row's number of kept slots (host [B]), which are its first new ones once `moved`
-        [M, 3] (row, from, to: slots counted from the last forward's first) is applied. Where the cache is not
-        written in place (`mergeable` False) the kept slots stay where they are instead."""
+        slots are moved up to follow the row's first one (a few slots' keys and values; each keeps its position).
+        Where the cache is not written in place (`mergeable` False) the kept slots stay where they are instead."""
         start = self._new
         if not self.cache.in_place:
             kept = [list(range(n)) for n in counts.tolist()]
             for b, source, target in moved.tolist() if moved is not None else []:
                 kept[b][target] = source
-            self.keep_slots(kept)
+            rows = host_tensor([b for b, slots in enumerate(kept) for _ in slots])
+            self._valid[rows, host_tensor([s for slots in kept for s in slots]) + start] = True
+            # Every row keeps at least its first slot, so the new slots after the last kept one are dead for all.
+            self._crop(start + max((slots[-1] + 1 for slots in kept if slots), default=0))
             return
         if moved is not None:
             who, source, target = moved.to(self.device).unbind(1)
