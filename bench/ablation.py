@@ -47,6 +47,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "block-4": (["trajectories.block_size=4", "packing.window=4", "prompts.limit=256"], "n = 4 (256 prompts)"),
     "block-16": (["trajectories.block_size=16", "packing.window=16", "prompts.limit=256"], "n = 16 (256 prompts)"),
     "fixed-point": (["training.consistency_target=fixed_point"], "noisy logits learn the fixed point's tokens"),
+    "offsets-2": (
+        ["training.consistency_offsets=2"],
+        "consistency pairs at offsets 0 and 1 past the first mismatch only",
+    ),
     # Combinations of the single changes that helped, towards a recipe.
     "ar-0.01+fixed-point": (
         ["training.ar_weight=0.01", "training.consistency_target=fixed_point"],
@@ -57,10 +61,26 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         "AR weight 0.01 and random noise targets",
     ),
     "ar-0.01+lr-3e-4": (["training.ar_weight=0.01", "training.learning_rate=3.0e-4"], "AR weight 0.01 and lr 3e-4"),
+    "ar-0.01+offsets-2": (
+        ["training.ar_weight=0.01", "training.consistency_offsets=2"],
+        "AR weight 0.01, pairs at offsets 0 and 1 only",
+    ),
     "ar-0.1+noise-random": (["training.ar_weight=0.1", "packing.strategy=random"], "AR weight 0.1 and random noise"),
     "ar-0.01+noise-random-400": (
         ["training.ar_weight=0.01", "packing.strategy=random", "training.max_steps=400"],
         "AR weight 0.01, random noise, 400 steps (1.7 epochs)",
+    ),
+    # A diagnosis, not a recipe: can the objective teach long drafts on text the model has seen many times? If
+    # not even there, the objective, mask or data has a defect; if so, what is missing is generalisation.
+    "memorise-32": (
+        [
+            "prompts.limit=32",
+            "packing.heldout_fraction=0.25",
+            "training.max_steps=240",
+            "training.learning_rate=3.0e-4",
+            "training.lr_schedule=constant",
+        ],
+        "32 prompts, a quarter held out, 40 epochs over the rest (constant lr 3e-4)",
     ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],

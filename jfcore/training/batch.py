@@ -14,7 +14,9 @@ Which logits count (a logit at a position predicts the next token of its stream)
 - Consistency: for block j with first mismatch d_j, offsets t in [d_j, m_j)
   (m_j its valid length) whose prediction is not past the first EOS either,
   pairing the noisy logit at k_j+t (student) with the clean one at l_j+t (teacher), and with the
-  fixed point's token that clean logit predicts (none past the response's end).
+  fixed point's token that clean logit predicts (none past the response's end). With `max_offset`
+  k, only offsets t - d_j < k count: the student's input reaches at most k - 1 tokens past the
+  block's first wrong one.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class _Row:
     pairs: list[tuple[int, int, int, int]]  # (student position, teacher position, offset, fixed-point target)
 
 
-def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
+def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: int | None) -> _Row:
     """Streams and scored positions of one packed row (positions within the row)."""
     ids, P, n, T = row["input_ids"], row["prompt_length"], row["block_size"], row["num_blocks"]
     mismatch, valid = row["first_mismatch"], row["valid_lengths"]
@@ -88,7 +90,8 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
     pairs, seen = [], P  # `seen`: response tokens before block j
     for j in range(T):
         noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
-        for t in range(mismatch[j], valid[j]):
+        stop = valid[j] if max_offset is None else min(valid[j], mismatch[j] + max_offset)
+        for t in range(mismatch[j], stop):
             if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
                 after = seen + t + 1
                 target = ids[clean_positions[after]] if after < len(clean_positions) else IGNORE
@@ -97,10 +100,16 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool) -> _Row:
     return _Row(streams, blocks, ar, pairs)
 
 
-def collate(rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None, ar_prompt: bool = True) -> PackedBatch:
+def collate(
+    rows: Sequence[dict],
+    pad_token_id: int,
+    eos_token_id: int | None,
+    ar_prompt: bool = True,
+    max_offset: int | None = None,
+) -> PackedBatch:
     """Right-pad packed rows into one batch with its loss indices (`ar_prompt`: score the prompt's own next-token
-    pairs in L_AR too)."""
-    layouts = [_layout(r, eos_token_id, ar_prompt) for r in rows]
+    pairs in L_AR too; `max_offset`: keep consistency pairs only that far past a block's first mismatch)."""
+    layouts = [_layout(r, eos_token_id, ar_prompt, max_offset) for r in rows]
     B, L = len(rows), max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((B, L), dtype=torch.long)

@@ -78,6 +78,9 @@ class TrainConfig:
     # objective; it moves with the model), or the fixed point's token, fixed by the trajectories ("fixed_point":
     # hard cross-entropy, tau unused), which a model cannot meet by caring less about its context.
     consistency_target: ConsistencyTarget = "clean"
+    # Score only consistency pairs at offsets 0 .. k-1 past a block's first wrong token (None: all). The far ones
+    # ask for a token after several wrong ones, which natural text rarely allows, and they are most of the pairs.
+    consistency_offsets: int | None = None
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
     gradient_checkpointing: bool = False
@@ -104,6 +107,10 @@ class TrainConfig:
             check(getattr(self, name) >= 1, f"TrainConfig.{name}: must be >= 1, got {getattr(self, name)}")
         check(
             self.max_steps is None or self.max_steps >= 1, f"TrainConfig.max_steps: must be >= 1, got {self.max_steps}"
+        )
+        check(
+            self.consistency_offsets is None or self.consistency_offsets >= 1,
+            f"TrainConfig.consistency_offsets: must be >= 1 (or null: every offset), got {self.consistency_offsets}",
         )
         check(
             all(step >= 1 for step in self.export_steps),

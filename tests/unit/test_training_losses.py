@@ -38,6 +38,17 @@ def test_only_offsets_from_the_first_mismatch_count_and_the_teacher_gets_no_grad
     assert graded == [3, 4, 5, 12, 13]
 
 
+def test_max_offset_keeps_only_the_pairs_nearest_the_first_mismatch_and_reweights_them():
+    blocks = [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])]
+    row = packed_row([1, 10], blocks, mismatch=[1, 2], n=4)
+    batch = collate([row], PADID, EOS, max_offset=2)
+    # block 0: offsets 0, 1 (positions 3, 4; not 5); block 1: offsets 0, 1 (positions 12, 13)
+    assert batch.student_positions.tolist() == [3, 4, 12, 13]
+    assert batch.pair_offsets.tolist() == [0, 1, 0, 1]
+    assert torch.allclose(batch.pair_weights, torch.full((4,), 1 / (4 * 2)))  # mean over the 4 kept, T = 2
+    assert collate([row], PADID, EOS, max_offset=1).pair_offsets.tolist() == [0, 0]
+
+
 def test_reduction_is_mean_over_kept_pairs_then_over_blocks_then_over_rows():
     r1 = packed_row([1], [([3, 9], [3, 4]), ([5, 6], [5, 6])], mismatch=[1, 2], n=2)  # 1 kept pair, T = 2
     r2 = packed_row([1, 7, 8], [([9, 9], [4, 5])], mismatch=[0], n=2)  # 2 kept pairs, T = 1
