@@ -34,6 +34,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "lr-3e-5": (["training.learning_rate=3.0e-5"], "learning rate 3e-5"),
     "lr-3e-4": (["training.learning_rate=3.0e-4"], "learning rate 3e-4"),
     "lr-constant": (["training.lr_schedule=constant"], "constant rate after warmup"),
+    "lr-3e-4-constant": (
+        ["training.learning_rate=3.0e-4", "training.lr_schedule=constant"],
+        "learning rate 3e-4, held after warmup",
+    ),
     "context-clean": (["training.noisy_context=clean"], "noisy blocks see the fixed points before them"),
     "noise-random": (["packing.strategy=random"], "noise targets drawn at random"),
     "window-16": (["packing.window=16"], "one progressive ramp over 16 blocks"),
