@@ -86,6 +86,21 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ],
         "32 prompts, a quarter held out, 40 epochs over the rest (constant lr 3e-4)",
     ),
+    "memorise-32-samples-8": (
+        [
+            "prompts.limit=32",
+            "packing.heldout_fraction=0.25",
+            "packing.samples_per_prompt=8",
+            "training.max_steps=240",
+            "training.learning_rate=3.0e-4",
+            "training.lr_schedule=constant",
+        ],
+        "memorise-32 with 8 sequences per prompt, each with other noisy states (5.7 epochs over them)",
+    ),
+    "samples-4": (
+        ["prompts.limit=256", "packing.samples_per_prompt=4"],
+        "256 prompts, 4 sequences each with other noisy states (against data-256: one, 3.2 epochs)",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

@@ -78,6 +78,11 @@ class PackingConfig:
     sequences_per_shard: int = 4096
     heldout_fraction: float = 0.0  # share of prompts (by a seeded hash of their id) packed into heldout/, not trained
     heldout_seed: int = 0
+    # Training sequences per prompt, each with its own choice of noisy states (sample s shifts the progressive ramp
+    # by s blocks, or redraws the random targets). One state per block lets the consistency loss be met by answers
+    # for that state alone; decoding visits others (docs/TRAINING.md, "What moves own-draft TPF"). Held-out
+    # prompts get one.
+    samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:
         check(self.strategy in ("progressive", "random"), f"unknown strategy {self.strategy!r}")
@@ -90,6 +95,7 @@ class PackingConfig:
         check(self.pad_token_id >= 0, f"pad_token_id must be >= 0, got {self.pad_token_id}")
         check(self.sequences_per_shard >= 1, f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
         check(0.0 <= self.heldout_fraction < 1.0, f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        check(self.samples_per_prompt >= 1, f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
 
 
 @dataclass
@@ -127,21 +133,23 @@ def noise_level(first_mismatch: int, n: int) -> float:
     return (n - first_mismatch) / n
 
 
-def block_target(config: PackingConfig, prompt_id: str, block_index: int, num_blocks: int) -> float:
-    """The noise level the schedule asks for at block `block_index` of `prompt_id`, packed with `num_blocks` blocks.
+def block_target(config: PackingConfig, prompt_id: str, block_index: int, num_blocks: int, sample: int = 0) -> float:
+    """The noise level the schedule asks for at block `block_index` of `prompt_id`, packed with `num_blocks` blocks,
+    in the prompt's sequence number `sample` (samples_per_prompt).
 
-    progressive: W = linspace(min_noise, max_noise, w) and target W[block_index mod w], a ramp that restarts every
+    progressive: W = linspace(min_noise, max_noise, w) and target W[(block_index + sample) mod w], a ramp that restarts every
     w blocks, with w = min(window, num_blocks): a response of fewer blocks than the window gets the whole ramp over
     its own blocks. (A fixed w gave it only the ramp's quiet start: 4 blocks in a window of 8 never passed noise
     3/7, and a synthetic task whose drafts can be learned exactly stayed at 1.2 tokens per forward; docs/DESIGN.md,
     section 4.)"""
     lo, hi = config.min_noise, config.max_noise
     if config.strategy == "random":
-        return lo + _unit_hash(config.seed, prompt_id, block_index) * (hi - lo)
+        key = (config.seed, prompt_id, block_index) + ((sample,) if sample else ())
+        return lo + _unit_hash(*key) * (hi - lo)
     window = min(config.window, num_blocks)
     if window <= 1:
         return lo
-    return float(np.linspace(lo, hi, window)[block_index % window])
+    return float(np.linspace(lo, hi, window)[(block_index + sample) % window])
 
 
 def is_heldout(config: PackingConfig, prompt_id: str) -> bool:
@@ -164,8 +172,9 @@ def choose_state(mismatches: Sequence[int], length: int, target: float) -> int:
     return max(tied, key=lambda i: (noise[i], -i))
 
 
-def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig) -> dict | None:
-    """The packed sequence of one prompt from all its trajectory rows (None: too long for max_length)."""
+def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig, sample: int = 0) -> dict | None:
+    """The packed sequence of one prompt from all its trajectory rows (None: too long for max_length); `sample`
+    numbers the prompt's sequences (samples_per_prompt)."""
     rows = sorted(rows, key=lambda r: r["block_index"])
     if problem := _prompt_problem(rows):
         raise PackingError(f"prompt {prompt_id!r}: {problem} (the trajectory shards are inconsistent)")
@@ -187,7 +196,7 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig) -> dict
     for j, row in enumerate(rows[:T]):
         fixed, m = row["fixed_point"], len(row["fixed_point"])
         mismatches = [first_mismatch(s, fixed) for s in row["states"]]
-        chosen = choose_state(mismatches, m, block_target(config, prompt_id, j, T))
+        chosen = choose_state(mismatches, m, block_target(config, prompt_id, j, T, sample))
         pad = [config.pad_token_id] * (n - m)
         seq["input_ids"] += row["states"][chosen] + pad + fixed + pad
         seq["position_ids"] += list(range(P + j * n, P + (j + 1) * n)) * 2
@@ -266,10 +275,13 @@ def pack_shards(
                 if held:
                     stats.heldout_prompts.append(prompt_id)
                     heldout.add(seq)
-                else:
-                    stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+                    writers[True].add(seq)
+                    continue
+                stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+                for sample in range(config.samples_per_prompt):
+                    seq = seq if sample == 0 else pack_prompt(prompt_id, by_prompt[prompt_id], config, sample)
                     stats.add(seq)
-                writers[held].add(seq)
+                    writers[False].add(seq)
     if not stats.sequences:
         if stats.heldout_prompts:
             raise PackingError(

@@ -346,3 +346,24 @@ def test_heldout_prompts_are_whole_seeded_and_packed_apart(tmp_path, shards):
     assert not (tmp_path / "packed" / "heldout").exists()
     with pytest.raises(PackingError, match="every packed prompt .* is held out: lower heldout_fraction"):
         pack_shards(shards, tmp_path / "all", PackingConfig(heldout_fraction=0.999999))
+
+
+def test_samples_per_prompt_packs_each_trained_prompt_with_other_noisy_states(tmp_path, shards):
+    one, single = pack(shards, tmp_path / "one", heldout_fraction=0.5, heldout_seed=3)
+    three, table = pack(shards, tmp_path / "three", heldout_fraction=0.5, heldout_seed=3, samples_per_prompt=3)
+    assert three.heldout_prompts == one.heldout_prompts  # held-out prompts: one sequence each, as before
+    held = json.loads((tmp_path / "three" / "heldout" / "stats.json").read_text())["sequences"]
+    assert held == len(one.heldout_prompts) and three.sequences == 3 * one.sequences
+    rows = table.to_pylist()
+    for prompt_id in {r["prompt_id"] for r in rows}:
+        samples = [r for r in rows if r["prompt_id"] == prompt_id]
+        assert len(samples) == 3
+        first = next(r for r in single.to_pylist() if r["prompt_id"] == prompt_id)
+        assert samples[0] == first  # sample 0 is the single-sample packing
+        # the same text under other noise: the clean blocks agree, the chosen states do not all agree
+        assert all([l for _, l, _, _ in blocks_of(s)] == [l for _, l, _, _ in blocks_of(first)] for s in samples)
+        assert len({tuple(s["first_mismatch"]) for s in samples}) > 1
+    config = PackingConfig(window=4)
+    assert [block_target(config, "any", k, 12, sample=1) for k in range(4)] == pytest.approx([1 / 3, 2 / 3, 1, 0])
+    with pytest.raises(ConfigError, match="samples_per_prompt must be >= 1"):
+        from_dict(PackingConfig, {"samples_per_prompt": 0})
