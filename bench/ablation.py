@@ -97,6 +97,17 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ],
         "memorise-32 with 8 sequences per prompt, each with other noisy states (5.7 epochs over them)",
     ),
+    "memorise-32-context-clean": (
+        [
+            "prompts.limit=32",
+            "packing.heldout_fraction=0.25",
+            "training.max_steps=240",
+            "training.learning_rate=3.0e-4",
+            "training.lr_schedule=constant",
+            "training.noisy_context=clean",
+        ],
+        "memorise-32 with noisy blocks on the fixed points before them, as single-block decoding sees them",
+    ),
     "samples-4": (
         ["prompts.limit=256", "packing.samples_per_prompt=4"],
         "256 prompts, 4 sequences each with other noisy states (against data-256: one, 3.2 epochs)",
