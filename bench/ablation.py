@@ -112,6 +112,16 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ["prompts.limit=256", "packing.samples_per_prompt=4"],
         "256 prompts, 4 sequences each with other noisy states (against data-256: one, 3.2 epochs)",
     ),
+    "samples-4+offsets-2+lr-3e-4-constant": (
+        [
+            "prompts.limit=256",
+            "packing.samples_per_prompt=4",
+            "training.consistency_offsets=2",
+            "training.learning_rate=3.0e-4",
+            "training.lr_schedule=constant",
+        ],
+        "samples-4, pairs at offsets 0 and 1 only, lr 3e-4 held after warmup",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",
