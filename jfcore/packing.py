@@ -137,11 +137,11 @@ def block_target(config: PackingConfig, prompt_id: str, block_index: int, num_bl
     """The noise level the schedule asks for at block `block_index` of `prompt_id`, packed with `num_blocks` blocks,
     in the prompt's sequence number `sample` (samples_per_prompt).
 
-    progressive: W = linspace(min_noise, max_noise, w) and target W[(block_index + sample) mod w], a ramp that restarts every
-    w blocks, with w = min(window, num_blocks): a response of fewer blocks than the window gets the whole ramp over
-    its own blocks. (A fixed w gave it only the ramp's quiet start: 4 blocks in a window of 8 never passed noise
-    3/7, and a synthetic task whose drafts can be learned exactly stayed at 1.2 tokens per forward; docs/DESIGN.md,
-    section 4.)"""
+    progressive: W = linspace(min_noise, max_noise, w) and target W[(block_index + sample) mod w], a ramp that
+    restarts every w blocks, with w = min(window, num_blocks): a response of fewer blocks than the window gets the
+    whole ramp over its own blocks. (A fixed w gave it only the ramp's quiet start: 4 blocks in a window of 8 never
+    passed noise 3/7, and a synthetic task whose drafts can be learned exactly stayed at 1.2 tokens per forward;
+    docs/DESIGN.md, section 4.)"""
     lo, hi = config.min_noise, config.max_noise
     if config.strategy == "random":
         key = (config.seed, prompt_id, block_index) + ((sample,) if sample else ())
