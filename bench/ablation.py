@@ -24,6 +24,14 @@ from jfcore.config import apply_overrides, load_file
 from jfcore.contracts import ACCEPTANCE, LAUNCH_FILE, METRICS
 from jfcore.training.checkpoints import read_metrics
 
+# The memorise-32 diagnosis's settings, which its variants change one at a time.
+MEMORISE = [
+    "prompts.limit=32",
+    "packing.heldout_fraction=0.25",
+    "training.max_steps=240",
+    "training.learning_rate=3.0e-4",
+    "training.lr_schedule=constant",
+]
 # name -> (overrides, what it varies). The recipe's own settings are `base`.
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the recipe"),
@@ -77,35 +85,15 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     # A diagnosis, not a recipe: can the objective teach long drafts on text the model has seen many times? If
     # not even there, the objective, mask or data has a defect; if so, what is missing is generalisation.
     "memorise-32": (
-        [
-            "prompts.limit=32",
-            "packing.heldout_fraction=0.25",
-            "training.max_steps=240",
-            "training.learning_rate=3.0e-4",
-            "training.lr_schedule=constant",
-        ],
+        MEMORISE,
         "32 prompts, a quarter held out (9), 45 epochs over the other 21 (constant lr 3e-4)",
     ),
     "memorise-32-samples-8": (
-        [
-            "prompts.limit=32",
-            "packing.heldout_fraction=0.25",
-            "packing.samples_per_prompt=8",
-            "training.max_steps=240",
-            "training.learning_rate=3.0e-4",
-            "training.lr_schedule=constant",
-        ],
+        [*MEMORISE, "packing.samples_per_prompt=8"],
         "memorise-32 with 8 sequences per prompt, each with other noisy states (5.7 epochs over them)",
     ),
     "memorise-32-context-clean": (
-        [
-            "prompts.limit=32",
-            "packing.heldout_fraction=0.25",
-            "training.max_steps=240",
-            "training.learning_rate=3.0e-4",
-            "training.lr_schedule=constant",
-            "training.noisy_context=clean",
-        ],
+        [*MEMORISE, "training.noisy_context=clean"],
         "memorise-32 with noisy blocks on the fixed points before them, as single-block decoding sees them",
     ),
     "samples-4": (
