@@ -277,9 +277,9 @@ def pack_shards(
                     heldout.add(seq)
                     writers[True].add(seq)
                     continue
-                stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
                 for sample in range(config.samples_per_prompt):
                     seq = seq if sample == 0 else pack_prompt(prompt_id, by_prompt[prompt_id], config, sample)
+                    stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
                     stats.add(seq)
                     writers[False].add(seq)
     if not stats.sequences:

@@ -192,6 +192,9 @@ def test_max_length_drops_whole_blocks_from_the_end(tmp_path, decoded, shards, m
         assert clean == out.sequences[i][: T * N]
     kept = [len(rows[p]) for p in table.column("prompt_id").to_pylist()]
     assert stats.dropped_blocks == sum(kept) - stats.blocks > 0
+    twice, table = pack(shards, tmp_path / "twice", max_length=max_length, samples_per_prompt=2)
+    kept = [len(rows[p]) for p in table.column("prompt_id").to_pylist()]  # every sequence drops its own blocks
+    assert twice.dropped_blocks == sum(kept) - twice.blocks == 2 * stats.dropped_blocks
     with pytest.raises(PackingError, match="no prompt fits max_length=10"):
         pack_shards(shards, tmp_path / "none", PackingConfig(max_length=10))
 
