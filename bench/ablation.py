@@ -110,6 +110,21 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ],
         "samples-4, pairs at offsets 0 and 1 only, lr 3e-4 held after warmup",
     ),
+    # The single changes that helped at lambda 0.1, together, for the 2-hour budget: 6 passes over the trained
+    # prompts, each pass with other noisy states (memorise-32-samples-8: a repeated state is learnt, not drafted).
+    "recipe-2h": (
+        [
+            "training.ar_weight=0.1",
+            "training.consistency_offsets=2",
+            "packing.max_noise=0.5",
+            "packing.samples_per_prompt=6",
+            "training.lr_schedule=constant",
+            "training.max_steps=1400",
+            "training.checkpoint_every=100",
+            "training.acceptance.every=100",
+        ],
+        "lambda 0.1, offsets 0-1, noise <= 0.5, 6 states per block, constant lr 1e-4, 1400 steps (about 2 h)",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

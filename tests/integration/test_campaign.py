@@ -199,3 +199,18 @@ def test_shipped_profiles_load(profile):
     assert recipe.evaluation.learning_curve is not None
     for previous, stage in itertools.pairwise(stages):
         assert stage.model.name_or_path == str(previous.path("training") / "latest" / "final")
+
+
+def test_the_2_hour_recipe_is_the_measured_ablation_variant():
+    """configs/campaign/cpu-2h.yaml is what `bench.ablation --variants recipe-2h` trained and published: the same
+    trajectories, packing and training settings, so the flow reuses that run instead of training another."""
+    from bench.ablation import VARIANTS
+    from jfcore.config import apply_overrides, load_file
+
+    recipe = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml")
+    variant = load_recipe(
+        apply_overrides(load_file(REPO / "configs" / "campaign" / "cpu-ablation.yaml"), VARIANTS["recipe-2h"][0])
+    )
+    for section in ("work_dir", "model", "prompts", "trajectories", "packing", "training", "launch"):
+        assert getattr(recipe, section) == getattr(variant, section), section
+    assert recipe.evaluation.base_vs_trained and "tuned" in recipe.evaluation.decoding.methods
