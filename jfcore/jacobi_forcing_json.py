@@ -36,6 +36,7 @@ TUNED_KEYS = (
     "lookup_tokens",
     "lookup_ngram",
     "lookup_within",
+    "rolling",
 )
 
 

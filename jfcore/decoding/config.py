@@ -19,7 +19,8 @@ class DecodeConfig:
 
     method: "ar" (one token per forward), "jacobi" (one block of `block_size`
     in flight) or "multiblock" (up to `num_blocks` blocks in flight plus
-    rejection recycling from an n-gram pool).
+    rejection recycling from an n-gram pool). `rolling` (jacobi): the block
+    never closes.
     """
 
     method: Literal["ar", "jacobi", "multiblock"] = "jacobi"
@@ -30,6 +31,11 @@ class DecodeConfig:
     # "random" samples the vocabulary uniformly. Seeded by `seed`.
     filler: Literal["context", "random"] = "context"
     seed: int = 0
+    # Jacobi only. False: a block that reached its fixed point is followed by a fresh one (the known next token and
+    # n-1 filler), so every block spends a forward on filler. True: the block is a window that never closes; after
+    # each forward it is topped up to n with the model's own token after the whole draft, then filler for what is
+    # still missing (docs/DESIGN.md, "The rolling window"). Trained drafts gain from it; filler guesses barely do.
+    rolling: bool = False
     # Multiblock + rejection recycling (docs/DESIGN.md, section 7; the published starting point: n=64, K=2, pool 4, r=0.85).
     num_blocks: int = 2
     spawn_ratio: float = 0.85
@@ -86,6 +92,10 @@ class DecodeConfig:
             "lookup_within needs lookup_tokens > 0 and a draft of 2 or more tokens (method jacobi or multiblock)",
         )
         check(
+            not self.rolling or (self.method == "jacobi" and self.block_size > 1),
+            f"rolling needs method 'jacobi' and block_size >= 2, got method {self.method!r}, block_size {self.block_size}",
+        )
+        check(
             self.compile in COMPILE_MODES,
             f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {self.compile!r}",
         )
@@ -99,18 +109,18 @@ class DecodeConfig:
             "record_trajectories needs temperature 0: trajectories are greedy fixed points",
         )
         check(
-            not (self.record_trajectories and (self.method != "jacobi" or self.lookup_tokens)),
-            "record_trajectories needs method 'jacobi' without prompt lookup: trajectories are the states of one "
-            "block in flight",
+            not (self.record_trajectories and (self.method != "jacobi" or self.lookup_tokens or self.rolling)),
+            "record_trajectories needs method 'jacobi' without prompt lookup or rolling: trajectories are the states "
+            "of one block in flight, from its filler to its fixed point",
         )
 
     def describe(self) -> str:
         """The configuration in a few characters: ar, ar+L6g2 (6 copied tokens beside the draft, 2-gram match),
-        jacobi n4inL3g3 (3 copied tokens within a 4-token draft), multiblock n16 K2 p4."""
+        jacobi n4inL3g3 (3 copied tokens within a 4-token draft), jacobi n4r (rolling), multiblock n16 K2 p4."""
         if self.method == "ar" or (self.method == "jacobi" and self.block_size == 1):
             text = "ar"
         elif self.method == "jacobi":
-            text = f"jacobi n{self.block_size}"
+            text = f"jacobi n{self.block_size}" + ("r" if self.rolling else "")
         else:
             text = f"multiblock n{self.block_size} K{self.num_blocks} p{self.pool_size}"
         where = "in" if self.lookup_within else "+"

@@ -37,6 +37,7 @@ class DecodingSettings:
     pool_size: int = DecodeConfig.pool_size  # multiblock: recycled n-grams verified per forward
     spawn_ratio: float = DecodeConfig.spawn_ratio
     ngram_size: int = DecodeConfig.ngram_size
+    rolling: bool = False  # jacobi: a rolling window (DecodeConfig.rolling) instead of fixed blocks
     warmup_tokens: int = 16  # each worker decodes this many tokens per model and method before timing
     prompt_lookup_tokens: int = 10  # hf_prompt_lookup: candidate tokens per step (HF's own default)
     # Each problem is decoded `timing_rounds` times by the `timed_methods`, every round in its own interleaved order
@@ -70,6 +71,8 @@ class DecodingSettings:
         shared = {"method": method, "block_size": self.block_size}
         if method == "multiblock":
             shared |= {k: getattr(self, k) for k in ("num_blocks", "pool_size", "spawn_ratio", "ngram_size")}
+        elif self.rolling:
+            shared["rolling"] = True
         try:
             DecodeConfig(**shared)
         except ConfigError as err:

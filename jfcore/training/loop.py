@@ -299,10 +299,19 @@ def _measure_acceptance(
     return figures.metrics()
 
 
+# (method, rolling, metric name) of the held-out decoded check after the export
+DECODED_CHECKS = (
+    ("jacobi", False, "decoded_tpf"),
+    ("jacobi", True, "decoded_rolling_tpf"),
+    ("multiblock", False, "decoded_multiblock_tpf"),
+)
+
+
 def _decoded_check(t: Trainer, final: Path, simulated: dict, on_metrics: Callable[[int, dict], None] | None) -> None:
     """Rank 0, after the export: decode the measured held-out prompts with the exported model, prompt lookup off,
-    and record its TPF: Jacobi beside the last simulated figure, so a run says how far the simulation is off, and
-    multiblock (2 blocks in flight, recycled n-grams), whose next block is already drafted when one ends."""
+    and record its TPF: Jacobi beside the last simulated figure, so a run says how far the simulation is off; the
+    rolling window, which never opens a fresh block of filler; and multiblock (2 blocks in flight, recycled n-grams),
+    whose next block is already drafted when one ends."""
     from jfcore.decoding import DecodeConfig, decode
     from jfcore.models import ModelConfig
 
@@ -311,10 +320,11 @@ def _decoded_check(t: Trainer, final: Path, simulated: dict, on_metrics: Callabl
     prompts, tokens = [e.prompt for e in examples], t.config.acceptance.tokens
     metrics = {}
     for n in _block_sizes(t):
-        for method, name in (("jacobi", "decoded_tpf"), ("multiblock", "decoded_multiblock_tpf")):
+        for method, rolling, name in DECODED_CHECKS:
             config = DecodeConfig(
                 method=method,
                 block_size=n,
+                rolling=rolling and n > 1,
                 ngram_size=max(n, 2),
                 max_new_tokens=tokens,
                 seed=t.config.seed,

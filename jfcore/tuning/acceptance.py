@@ -57,7 +57,7 @@ class Acceptance:
     greedy: list[list[int]]  # each prompt's greedy continuation
     prefill_seconds: list[float]  # each prompt's prefill at batch 1
     ar_host_seconds: float  # AR's own time per step at batch 1
-    drafts: dict[str, DraftSteps] = field(default_factory=dict)  # by family: "jacobi", "multiblock"
+    drafts: dict[str, DraftSteps] = field(default_factory=dict)  # by family: "jacobi", "rolling", "multiblock"
 
     def subset(self, indices: Sequence[int]) -> Acceptance:
         """The same measurements restricted to some prompts (the draft records stay pooled)."""

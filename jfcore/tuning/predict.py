@@ -44,7 +44,9 @@ def family(config: DecodeConfig) -> str:
     """Which recorded drafts a configuration draws its own runs from."""
     if config.method == "multiblock":
         return "multiblock"
-    return "ar" if config.method == "ar" or config.block_size == 1 else "jacobi"
+    if config.method == "ar" or config.block_size == 1:
+        return "ar"
+    return "rolling" if config.rolling else "jacobi"
 
 
 def replay_widths(config: DecodeConfig, acceptance: Acceptance, seed: int) -> tuple[int, list[int]]:

@@ -42,6 +42,7 @@ class TuneConfig:
     lookup_ngrams: tuple[int, ...] = (1, 2, 3)
     record_block_size: int | None = None  # drafts recorded at this n (default: the trained block size, else 16)
     multiblock: bool = True  # also consider multiblock (2 blocks, pool 4) at the recorded block size
+    rolling: bool = True  # also consider rolling Jacobi windows (DecodeConfig.rolling) at every n
     widths: tuple[int, ...] = DEFAULT_WIDTHS  # cost-curve widths
     curve_rounds: int = 5
     confirm: int = 3  # the best predictions confirmed by decoding (AR is confirmed too)
@@ -97,16 +98,19 @@ def grid(config: TuneConfig, record_n: int) -> list[DecodeConfig]:
     """Every configuration the tuner predicts: (family, n, candidate length, lookup n-gram)."""
     out = []
     lookups = [(0, 3)] + [(t, g) for t in config.lookup_tokens if t > 0 for g in config.lookup_ngrams]
+    windows = (False, True) if config.rolling else (False,)
     for n in sorted({n for n in config.block_sizes if n <= record_n}):
         for tokens, ngram in lookups:
-            method = "ar" if n == 1 else "jacobi"
-            out.append(DecodeConfig(method=method, block_size=n, lookup_tokens=tokens, lookup_ngram=ngram))
-            if n > 1 and 0 < tokens < n:  # the copy in place of the draft's guesses: the width stays n
-                out.append(
-                    DecodeConfig(
-                        method="jacobi", block_size=n, lookup_tokens=tokens, lookup_ngram=ngram, lookup_within=True
-                    )
+            if n == 1:
+                out.append(DecodeConfig(method="ar", block_size=1, lookup_tokens=tokens, lookup_ngram=ngram))
+                continue
+            for rolling in windows:
+                jacobi = DecodeConfig(
+                    method="jacobi", block_size=n, lookup_tokens=tokens, lookup_ngram=ngram, rolling=rolling
                 )
+                out.append(jacobi)
+                if 0 < tokens < n:  # the copy in place of the draft's guesses: the width stays n
+                    out.append(replace(jacobi, lookup_within=True))
     if config.multiblock and record_n > 1:
         for tokens, ngram in lookups:
             out.append(
@@ -220,6 +224,9 @@ def run_tune(
     if record_n > 1:
         jacobi = DecodeConfig(method="jacobi", block_size=record_n)
         acceptance.drafts["jacobi"] = record_drafts(model, prompts, jacobi, eos, pad, tokens, rows, log=log)
+    if config.rolling and record_n > 1 and not over(0.25, "rolling windows"):
+        rolling = DecodeConfig(method="jacobi", block_size=record_n, rolling=True)
+        acceptance.drafts["rolling"] = record_drafts(model, prompts, rolling, eos, pad, tokens, rows, log=log)
     if config.multiblock and record_n > 1 and not over(0.3, "multiblock"):
         mb = DecodeConfig(method="multiblock", block_size=record_n, num_blocks=2, pool_size=4)
         acceptance.drafts["multiblock"] = record_drafts(model, prompts, mb, eos, pad, tokens, rows, log=log)

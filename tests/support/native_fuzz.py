@@ -99,7 +99,9 @@ def fuzz(seed: int, cases: int) -> dict:
                     width = rng.choice([width, width, width + 1, width - 1, -1, 1 << 62])
                     rows = rows if rng.random() < 0.5 else good
                     eos = rng.choice([(), (3,), "ab", None, (1 << 70,)])
-                    _native.verify(rows, tokens, choices, meta, width, eos, 4, 2, 0.85, False, rules)
+                    _native.verify(
+                        rows, tokens, choices, meta, width, eos, 4, 2, 0.85, rng.random() < 0.3, False, rules
+                    )
             outcomes[f"{entry}: result"] += 1
         except ERRORS as error:
             outcomes[f"{entry}: {type(error).__name__}"] += 1

@@ -23,6 +23,9 @@ def test_builds_and_coerces():
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"spawn_ratio": 1.5}, "spawn_ratio must be in (0, 1]"),
         ({"record_trajectories": True, "method": "multiblock"}, "record_trajectories needs method 'jacobi'"),
+        ({"record_trajectories": True, "rolling": True}, "without prompt lookup or rolling"),
+        ({"rolling": True, "method": "multiblock"}, "rolling needs method 'jacobi' and block_size >= 2"),
+        ({"rolling": True, "block_size": 1}, "rolling needs method 'jacobi' and block_size >= 2"),
     ],
 )
 def test_rejects_bad_input(data, message):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.decoding.decoder import Decoder
 from tests.support.arrivals import run_arrivals
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 
@@ -39,8 +40,9 @@ prompt = st.lists(st.integers(0, 95), min_size=1, max_size=14)
     eos_at=st.one_of(st.none(), st.integers(0, MAX_NEW - 1)),
     num_blocks=st.integers(2, 3),
     pool_size=st.integers(0, 4),
+    rolling=st.booleans(),
 )
-def test_matches_generate(arch, method, block_size, prompts, seed, filler, eos_at, num_blocks, pool_size):
+def test_matches_generate(arch, method, block_size, prompts, seed, filler, eos_at, num_blocks, pool_size, rolling):
     m = model(arch)
     eos = None
     if eos_at is not None:
@@ -56,6 +58,7 @@ def test_matches_generate(arch, method, block_size, prompts, seed, filler, eos_a
         num_blocks=num_blocks,
         pool_size=pool_size,
         ngram_size=min(block_size, 8) if block_size > 1 else 2,
+        rolling=rolling and method == "jacobi" and block_size > 1,
     )
     out = decode(m, prompts, config, eos_token_id=[] if eos is None else [eos], pad_token_id=0)
     assert out.sequences == expected
@@ -74,15 +77,15 @@ def sweep_reference(arch: str):
 
 @pytest.mark.parametrize("block_size", range(1, 65))
 def test_every_block_size(block_size):
-    """Block sizes 1..64 (each on a rotating architecture), both methods, a batch of 4
+    """Block sizes 1..64 (each on a rotating architecture), every method (Jacobi fixed and rolling), a batch of 4
     ragged prompts, an EOS that stops some rows inside a block."""
     arch = SWEEP_ARCHS[block_size % len(SWEEP_ARCHS)]
     eos, expected = sweep_reference(arch)
     assert any(len(e) < 72 for e in expected)  # EOS really stops a row early
-    for method in ["jacobi", "multiblock"]:
-        config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=72, seed=block_size)
+    for method, rolling in [("jacobi", False), ("jacobi", block_size > 1), ("multiblock", False)]:
+        config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=72, seed=block_size, rolling=rolling)
         out = decode(model(arch), SWEEP_PROMPTS, config, eos_token_id=eos, pad_token_id=0)
-        assert out.sequences == expected, f"{arch} {method}"
+        assert out.sequences == expected, f"{arch} {config.describe()}"
 
 
 def test_ar_and_eager_attention():
@@ -121,6 +124,26 @@ def test_recycling_and_long_runs_are_exercised():
     )
     assert out.stats.recycled_tokens > 0
     assert out.sequences == references(m, [[5, 6, 7, 8]], 200, None)
+
+
+def test_a_rolling_window_keeps_its_width_where_a_fixed_block_shrinks():
+    """Rolling Jacobi tops its window up to n after every forward, so each forward verifies n guesses until the
+    budget is near; a fixed block verifies fewer and fewer as it is committed. Both give greedy's tokens."""
+    m, n, budget = model("llama"), 6, 60
+    expected = references(m, [[7, 3, 9, 1]], budget, None)
+    widths = {}
+    for rolling in (False, True):
+        events = []
+        config = DecodeConfig(method="jacobi", block_size=n, max_new_tokens=budget, rolling=rolling)
+        out = Decoder(m, config, [], 0, on_step=events.append).decode([[7, 3, 9, 1]])
+        assert out.sequences == expected
+        done, widths[rolling] = 1, []  # the prefill gives the first token
+        for e in events:
+            if budget - done >= n:
+                widths[rolling].append(e.widths[0])
+            done += e.accepted[0]
+    assert set(widths[True]) == {n}
+    assert min(widths[False]) < n
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

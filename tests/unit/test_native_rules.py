@@ -67,7 +67,7 @@ def _run(decoder: Decoder, prompts):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_rows_in_c_follow_the_python_rules_exactly(arch):
     """Same tokens, forwards per row, recycled tokens, per-step events (widths, cache lengths) and recorded
-    trajectories as the Python rules, over methods, block sizes, blocks in flight, pools, prompt lookup (beside and within the draft), spawn
+    trajectories as the Python rules, over methods, block sizes, rolling windows, blocks in flight, pools, prompt lookup (beside and within the draft), spawn
     ratios, fillers, EOS sets, budgets, sampled rows and ragged batches; prompts repeat phrases, so pooled and
     copied candidates win and move their slots."""
     m = tiny_model(arch)
@@ -95,7 +95,9 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
         )
         if config.lookup_tokens and config.method != "ar" and rng.random() < 0.5:
             config = replace(config, lookup_within=True)
-        if config.method == "jacobi" and not config.lookup_tokens and not config.temperature and rng.random() < 0.7:
+        if config.method == "jacobi" and rng.random() < 0.4:
+            config = replace(config, rolling=True)
+        elif config.method == "jacobi" and not config.lookup_tokens and not config.temperature and rng.random() < 0.7:
             config = replace(config, record_trajectories=True)
         text = Decoder(m, config, [], 0).decode(prompts[:1]).sequences[0]  # EOS that some row meets
         eos = rng.choice([[], [text[len(text) // 2]], [3, text[-1]]])
@@ -109,6 +111,10 @@ def test_rows_in_c_follow_the_python_rules_exactly(arch):
     recording = DecodeConfig(method="jacobi", block_size=4, max_new_tokens=30, record_trajectories=True)
     text = Decoder(m, recording, [], 0).decode([[9, 10, 11]]).sequences[0]
     cases.append((recording, [[5, 6, 7], [9, 10, 11], [3]], [text[13]]))
+    # The rolling window, topped up with the model's guess and filler, beside copied text and near the budget.
+    rolling = DecodeConfig(method="jacobi", block_size=5, max_new_tokens=63, rolling=True, filler="random")
+    cases.append((rolling, [[5, 6, 7, 8] * 3, [9, 10], [4]], [text[13]]))
+    cases.append((replace(rolling, lookup_tokens=4, lookup_ngram=2, lookup_within=True), [[5, 6, 7, 8] * 3, [9]], []))
     for config, prompts, eos in cases:
         in_c, python = Decoder(m, config, eos, 0), Decoder(m, config, eos, 0, rules="python")
         got, expected = _run(in_c, prompts), _run(python, prompts)

@@ -18,6 +18,7 @@ from jfcore.tuning.acceptance import greedy_pass, record_drafts
 from jfcore.tuning.cost import CostCurve, measure_curve
 from jfcore.tuning.predict import predict
 from jfcore.tuning.split import TuningSet, check_disjoint, load_split
+from jfcore.tuning.tuner import TuneConfig, grid
 from tests.support.tiny_models import save_tiny_checkpoint, tiny_model
 
 PROMPTS = [[40, 41, 40, 41, 40], [5, 6, 7, 8], [1, 2, 3], [9, 9, 30, 31, 9]]
@@ -72,6 +73,22 @@ def test_wider_forwards_cost_what_the_curve_says(acceptance):
     assert free.tpf == pytest.approx(dear.tpf)
     assert free.speedup > 1 > dear.speedup
     assert free.mean_width > 8
+
+
+def test_rolling_windows_are_on_the_grid_and_predicted_from_their_own_drafts(acceptance):
+    """Each Jacobi point of the grid comes fixed and rolling, and a rolling point draws its runs from the rolling
+    record: drafts that commit more give it the higher TPF at the same width."""
+    _, acc = acceptance
+    points = grid(TuneConfig(block_sizes=(1, 4), lookup_tokens=(0, 2)), record_n=8)
+    assert {(c.rolling, c.lookup_tokens, c.lookup_within) for c in points if c.method == "jacobi"} == {
+        (r, t, w) for r in (False, True) for t, w in ((0, False), (2, False), (2, True))
+    }
+    assert not any(c.rolling for c in grid(TuneConfig(block_sizes=(1, 4), rolling=False), record_n=8))
+    fixed = acc.drafts["jacobi"]
+    acc = replace(acc, drafts={**acc.drafts, "rolling": replace(fixed, accepted=tuple(a + 1 for a in fixed.accepted))})
+    curve = CostCurve(1, 16, (1, 64), (1.0, 1.0))
+    at = {r: predict(DecodeConfig(method="jacobi", block_size=4, rolling=r), acc, curve, 0.0) for r in (False, True)}
+    assert at[True].tpf > at[False].tpf and at[True].mean_width == at[False].mean_width == 4
 
 
 def _tuned(machine, lookup_tokens=6):
@@ -172,6 +189,7 @@ def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, cap
     report = json.loads((tmp_path / "out" / tuned.report.split("/")[-1] / "tune.json").read_text())
     confirmed = report["buckets"][0]["confirmed"]
     assert confirmed[0]["config"] == "ar" and all(c["exact"] for c in confirmed)
+    assert set(report["acceptance"]["drafts"]) == {"jacobi", "rolling", "multiblock"}  # recorded at the trained n
     assert report["buckets"][0]["chosen"]["measured_speedup"] == max(c["measured_speedup"] for c in confirmed)
     assert jf_tune(args) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["reused"] is True

@@ -428,6 +428,7 @@ typedef struct {
     Py_ssize_t block_size;  /* the decoder's block size (1 for AR) */
     Py_ssize_t in_flight;   /* blocks in flight at most */
     double spawn_ratio;
+    int rolling;            /* the block never closes: topped up to block_size after each update */
     int record;             /* recording trajectories */
     PyObject *callbacks;    /* its `filler(row, count)` draws a fresh block's guesses, `close_block(row, end)` records */
 } Rules;
@@ -553,6 +554,24 @@ static int open_block(const Rules *rules, State *s, int64_t first) {
     return r;
 }
 
+/* `_top_up` (rolling): block 0 grows back to n (fewer near the budget): `guess`, then the seeded filler. */
+static int top_up(const Rules *rules, State *s, int64_t guess) {
+    PyObject *block = PyList_GET_ITEM(s->blocks, 0);
+    Py_ssize_t room = Py_MIN(rules->block_size, s->max_new_tokens - PyList_GET_SIZE(s->out)) - PyList_GET_SIZE(block);
+    if (room <= 0) return 0;
+    PyObject *head = PyLong_FromLongLong(guess);
+    if (head == NULL) return -1;
+    int r = PyList_Append(block, head);
+    Py_DECREF(head);
+    if (r < 0 || room == 1) return r;
+    PyObject *filler = PyObject_CallMethod(rules->callbacks, "filler", "On", s->row, room - 1);
+    if (filler == NULL) return -1;
+    Py_ssize_t end = PyList_GET_SIZE(block);
+    r = PyList_SetSlice(block, end, end, filler);
+    Py_DECREF(filler);
+    return r;
+}
+
 /* `_carry_on`: finish with the known next token, or keep drafting from it. */
 static int carry_on(const Rules *rules, State *s, int64_t next, int64_t guess, Py_ssize_t progress) {
     Py_ssize_t blocks = PyList_GET_SIZE(s->blocks);
@@ -664,6 +683,7 @@ static Py_ssize_t verify_row(const Rules *rules, PyObject *row, const int64_t *i
     if (finished < 0) goto done;
     if (!finished && (PyObject *)lookup != Py_None && lookup_extend(lookup, accepted, kept) < 0) goto done;
     if (!finished && (consume(rules, &s, kept) < 0 || refill(&s, rest, n_rest) < 0 ||
+                      (rules->rolling && PyList_GET_SIZE(s.blocks) > 0 && top_up(rules, &s, guess) < 0) ||
                       carry_on(rules, &s, correction, guess, progress) < 0))
         goto done;
     if (set_int(row, s_done, s.done) < 0 || set_int(row, s_block_start, s.block_start) < 0) goto done;
@@ -681,7 +701,7 @@ done:
     return result;
 }
 
-/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, record, callbacks)
+/* verify(rows, tokens, choices, meta, width, eos, block_size, in_flight, spawn_ratio, rolling, record, callbacks)
        -> (kept, moved)
 
    PythonRules.commit for every row, from `layout`'s tokens and meta and the step's choices (int64 [B, width]).
@@ -692,9 +712,9 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     Py_ssize_t width;
     PyObject *eos;
     Rules rules;
-    if (!PyArg_ParseTuple(args, "O!OOOnOnndpO", &PyList_Type, &rows, &tokens_object, &choices_object, &meta_object,
-                          &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.record,
-                          &rules.callbacks))
+    if (!PyArg_ParseTuple(args, "O!OOOnOnndppO", &PyList_Type, &rows, &tokens_object, &choices_object, &meta_object,
+                          &width, &eos, &rules.block_size, &rules.in_flight, &rules.spawn_ratio, &rules.rolling,
+                          &rules.record, &rules.callbacks))
         return NULL;
     rows = PyList_AsTuple(rows); /* held: callbacks into Python cannot take a row away mid-step */
     if (rows == NULL) return NULL;

@@ -52,7 +52,13 @@ class NativeRules(PythonRules):
         super().__init__(config, eos_token_ids, pad_token_id)
         copied_beside = config.lookup_tokens > 0 and not config.lookup_within  # the copy is a candidate of its own
         self.max_candidates = (config.pool_size if config.recycling else 0) + int(copied_beside)
-        self._verify_rules = (tuple(self.eos), self.block_size, config.blocks_in_flight, config.spawn_ratio)
+        self._verify_rules = (
+            tuple(self.eos),
+            self.block_size,
+            config.blocks_in_flight,
+            config.spawn_ratio,
+            config.rolling,
+        )
 
     def layout(self, rows: list[Row]) -> StepInput:
         tokens, positions, offsets, valid, meta, width, tree = _native.layout(

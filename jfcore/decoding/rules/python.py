@@ -210,6 +210,8 @@ class PythonRules:
             row.lookup.extend(accepted)
         self._consume(row, len(accepted))
         refill(row, rest)
+        if self.config.rolling and row.blocks:
+            self._top_up(row, guess)
         self._carry_on(row, correction, guess, progress)
         return slots
 
@@ -261,6 +263,14 @@ class PythonRules:
             self._open_block(row, next_token)
         elif len(row.blocks) < cfg.blocks_in_flight and progress >= cfg.spawn_ratio * row.sizes[-1]:
             self._open_block(row, guess)
+
+    def _top_up(self, row: Row, guess: int) -> None:
+        """`rolling`: the window grows back to n (fewer near the token budget): the model's token after the whole
+        draft, then seeded filler for the rest. With one token committed it is all the model's own."""
+        block = row.blocks[0]
+        room = min(self.block_size, row.max_new_tokens - len(row.out)) - len(block)
+        if room > 0:
+            block += [guess, *self.filler(row, room - 1)] if room > 1 else [guess]
 
     def _open_block(self, row: Row, first: int) -> None:
         """A block of n tokens (fewer near the token budget): `first`, then seeded filler."""
