@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset, checkpoint dir, .gguf file or hub id")
     p.add_argument("--method", choices=["jacobi", "multiblock", "ar"], help="default: the model's tune, else jacobi")
     p.add_argument("--block-size", type=int, help="tokens per block (default: the tune's, else the trained size)")
+    p.add_argument(
+        "--rolling",
+        action="store_const",
+        const=True,
+        help="jacobi: a rolling window, topped up from the model's own predictions instead of a fresh block of filler",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt text(s) to decode")
@@ -115,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         explicit = {
             "method": args.method,
             "block_size": args.block_size,
+            "rolling": args.rolling,
             "max_new_tokens": args.max_new_tokens,
             "compile": args.compile,
             "linear": args.linear,

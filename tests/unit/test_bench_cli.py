@@ -99,6 +99,15 @@ def test_cli_compare_reports_identical_tokens(tiny, capsys):
     assert "2/2 identical" in out and "TPF" in out
 
 
+def test_cli_decodes_with_a_rolling_window(tiny, capsys):
+    args = ["--model", str(tiny), "--prompt", "w1 w2 w3", "--max-new-tokens", "12", "--block-size", "4"]
+    assert cli.main([*args, "--method", "jacobi", "--rolling", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "with jacobi n4r," in out and "1/1 identical" in out
+    assert cli.main([*args, "--method", "multiblock", "--rolling"]) == 2
+    assert "rolling needs method 'jacobi'" in capsys.readouterr().err
+
+
 def test_cli_errors_are_clear(tiny, prompts_file, capsys):
     assert cli.main(["--model", str(tiny), "--prompts-file", str(prompts_file.with_name("missing.jsonl"))]) == 2
     assert "prompt file not found" in capsys.readouterr().err
