@@ -244,6 +244,6 @@ def test_cli_reports_a_bad_recipe_in_one_line(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         "error: evaluation.decoding: unknown key 'block_sise' (did you mean 'block_size'?); valid keys: block_size, "
-        "max_new_tokens, methods, ngram_size, num_blocks, pool_size, prompt_lookup_tokens, spawn_ratio, timed_methods, "
-        "timing_rounds, warmup_tokens"
+        "max_new_tokens, methods, ngram_size, num_blocks, pool_size, prompt_lookup_tokens, rolling, spawn_ratio, "
+        "timed_methods, timing_rounds, warmup_tokens"
     )
