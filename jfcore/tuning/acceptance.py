@@ -132,7 +132,7 @@ def record_drafts(
     probe = replace(config, max_new_tokens=host_probe_tokens)
     hosts = [_host_per_step(_run(Decoder(model, probe, eos, pad), [p]).stats) for p in prompts[:4]]
     steps = DraftSteps(config, tuple(accepted), tuple(widths), _median(hosts))
-    log(f"{config.method} n={config.block_size}: TPF {steps.tpf:.2f} over {len(accepted)} row-forwards")
+    log(f"{config.describe()}: TPF {steps.tpf:.2f} over {len(accepted)} row-forwards")
     return steps
 
 
