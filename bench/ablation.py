@@ -191,7 +191,7 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
         cells = [name, VARIANTS[name][1], f"{r['tokens']:,}", f"{r['minutes']:.0f}"]
         cells += [cell(f"heldout/simulated_tpf_n{n}") for n in block_sizes]
         cells += [cell(f"heldout/decoded_tpf_n{n}") for n in block_sizes]
-        cells += [cell(f"heldout/decoded_{kind}tpf_n{n}") for kind in ("rolling_", "multiblock_") for n in block_sizes]
+        cells += [cell(f"heldout/decoded_{kind}_tpf_n{n}") for kind in ("rolling", "multiblock") for n in block_sizes]
         cells += [cell("heldout/noisy_accuracy"), cell("heldout/noisy_accuracy_at_0"), cell("heldout/greedy_unchanged")]
         reach = tokens_to_reach(r["curve"], 8, TARGET) if 8 in block_sizes else None
         cells.append("- (flat)" if reach is None or reach > 1e12 else f"{reach:.2g}")

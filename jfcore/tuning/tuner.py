@@ -221,15 +221,15 @@ def run_tune(
     log(f"tuning on {machine.cpu} ({machine.cores} cores, {machine.torch_threads} threads, {machine.dtype})")
     tokens, rows = config.max_new_tokens, config.batch_size
     acceptance = greedy_pass(model, prompts, eos, pad, tokens, rows, log=log)
-    if record_n > 1:
-        jacobi = DecodeConfig(method="jacobi", block_size=record_n)
-        acceptance.drafts["jacobi"] = record_drafts(model, prompts, jacobi, eos, pad, tokens, rows, log=log)
-    if config.rolling and record_n > 1 and not over(0.25, "rolling windows"):
-        rolling = DecodeConfig(method="jacobi", block_size=record_n, rolling=True)
-        acceptance.drafts["rolling"] = record_drafts(model, prompts, rolling, eos, pad, tokens, rows, log=log)
-    if config.multiblock and record_n > 1 and not over(0.3, "multiblock"):
-        mb = DecodeConfig(method="multiblock", block_size=record_n, num_blocks=2, pool_size=4)
-        acceptance.drafts["multiblock"] = record_drafts(model, prompts, mb, eos, pad, tokens, rows, log=log)
+    # Each family's own drafts, recorded once at the trained n; the optional ones only while time is left.
+    families = (
+        ("jacobi", True, None, DecodeConfig(method="jacobi", block_size=record_n)),
+        ("rolling", config.rolling, 0.25, DecodeConfig(method="jacobi", block_size=record_n, rolling=record_n > 1)),
+        ("multiblock", config.multiblock, 0.3, DecodeConfig(method="multiblock", block_size=record_n, pool_size=4)),
+    )
+    for name, wanted, share, drafting in families:
+        if record_n > 1 and wanted and (share is None or not over(share, name)):
+            acceptance.drafts[name] = record_drafts(model, prompts, drafting, eos, pad, tokens, rows, log=log)
     lookup_s = lookup_host_seconds(acceptance)
     result = TuneResult(machine, acceptance)
     candidates = [c for c in grid(config, record_n) if family(c) in ("ar", *acceptance.drafts)]
