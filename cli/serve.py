@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["multiblock", "jacobi", "ar"], help="decoding method (default: the tune's)")
     p.add_argument("--block-size", type=int, help="tokens per block (default: the tune's, else the trained size)")
     p.add_argument("--num-blocks", type=int, help="blocks in flight (multiblock)")
+    p.add_argument(
+        "--rolling",
+        action=argparse.BooleanOptionalAction,
+        help="jacobi: a rolling window that never closes (default: the tune's)",
+    )
     p.add_argument("--lookup-tokens", type=int, help="prompt-lookup candidate tokens (0: off)")
     p.add_argument(
         "--share-prefix-tokens",
@@ -114,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("method", args.method),
                 ("block_size", args.block_size),
                 ("num_blocks", args.num_blocks),
+                ("rolling", args.rolling),
                 ("lookup_tokens", args.lookup_tokens),
                 ("share_prefix_tokens", args.share_prefix_tokens),
             )
@@ -139,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoding={
             "method": config.method,
             "block_size": config.block_size,
+            "rolling": config.rolling,
             "lookup_tokens": config.lookup_tokens,
             "share_prefix_tokens": config.share_prefix_tokens,
             "max_batch_size": args.max_batch_size,

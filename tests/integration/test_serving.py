@@ -43,7 +43,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     folder, _, _ = tiny
-    args = ["--model", str(folder), "--served-model-name", NAME, "--method", "jacobi", "--block-size", "4"]
+    # A rolling window: the widest per-row state the batch scheduler has to carry between requests.
+    args = ["--model", str(folder), "--served-model-name", NAME, "--method", "jacobi", "--block-size", "4", "--rolling"]
     with jf_serve(tmp_path_factory.mktemp("serve"), *args, "--max-batch-size", "8", api_key=KEY) as url:
         yield url
 
@@ -324,7 +325,8 @@ def test_api_key_is_enforced(server):
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(f"{server}/metrics", timeout=10)
     with urllib.request.urlopen(f"{server}/health", timeout=10) as response:  # open to health checks
-        assert json.loads(response.read())["block_size"] == 4
+        health = json.loads(response.read())
+    assert (health["block_size"], health["rolling"]) == (4, True)
 
 
 def test_full_queue_answers_429(tiny, tmp_path):

@@ -156,3 +156,18 @@ def test_text_repetition_counts_the_4grams_a_completion_repeats():
     assert repeated_share([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5  # the last 4-gram is the first again
     assert repeated_share([7] * 10) == 6 / 7  # a loop: every 4-gram after the first
     assert repeated_share(list(range(12))) == 0.0 and repeated_share([1, 2]) == 0.0
+
+
+def test_own_drafts_counts_every_family_and_checks_it_against_ar(tiny, capsys):
+    from bench import own_drafts
+
+    row = own_drafts.measure(str(tiny), ["jacobi:4", "rolling:4", "multiblock:4", "rolling:4inL3"], 1, 12)
+    assert row["prompts"] == 2  # one GSM8K and one HumanEval test problem
+    for figures in row["drafts"].values():
+        assert figures["exact"] == 2
+        assert 1.0 <= figures["tpf"] <= 4.0
+    within, beside = own_drafts.draft_config("rolling:4inL3", 12), own_drafts.draft_config("jacobi:2+L2", 12)
+    assert (within.lookup_tokens, within.lookup_within, within.rolling) == (3, True, True)
+    assert (beside.lookup_tokens, beside.lookup_within, beside.rolling) == (2, False, False)
+    with pytest.raises(SystemExit, match="FAMILY:N"):
+        own_drafts.draft_config("lookahead:4", 12)
