@@ -10,17 +10,19 @@ cache), one forward of q new positions for each q and each variant:
 - inductor-frozen: the same with inductor's weight freezing (constant-folded, prepacked weights)
 - inductor-dynamic: `dynamic=True`, one graph for every q and cache length (what a decoder could use as is)
 - linear-auto: eager, with linear layers as `DecodeConfig.linear="auto"` runs them (jfcore/decoding/runner/linear.py:
-  products over a few rows computed weight first where that measures faster)
+  products over a few rows computed the fastest way: torch's, weight first or the C kernel)
+- linear-two-ways: the same without the C kernel (torch's way or weight first), as the mode ran before it
 - bfloat16: eager, a copy of the model in bfloat16 (on a CPU with bfloat16 matrix instructions its curve can be far
   flatter than float32's; its greedy tokens are not float32's)
 
-Eager and one compiled variant per run (dynamo keys compiled code to the forward's code, so a second variant in
-one process would reuse the first's graphs), their widths interleaved over rounds so that drift hits both alike;
-the median is kept. Compile seconds are reported apart. Printed and written to JSON.
+Eager and the variants named (at most one compiled: dynamo keys compiled code to the forward's code, so a second
+compiled variant in one process would reuse the first's graphs), their widths interleaved over rounds so that drift
+hits all alike; the median is kept. Compile seconds are reported apart. Printed and written to JSON.
 
     python -m bench.compile_curve                          # SmolLM2-135M, batch 1, fp32, q = 1 2 4 8 16, inductor
     python -m bench.compile_curve --compiled inductor-frozen --widths 1 16 --rounds 3
     python -m bench.compile_curve --compiled linear-auto --widths 1 2 3 4 6 8 12 16
+    python -m bench.compile_curve --compiled linear-two-ways linear-auto --widths 1 2 4 8 16 32
     python -m bench.compile_curve --compiled bfloat16 --widths 1 2 4 8 16 32
 """
 
@@ -37,17 +39,18 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS
-from jfcore.decoding.runner.linear import FasterLinear, faster_linear
+from jfcore.decoding.runner.linear import FasterLinear, faster_linear, faster_way
 from jfcore.decoding.runner.slots import SlotBatch
 from jfcore.decoding.sampling import greedy_argmax
 from jfcore.models import ModelConfig, load_model
 
 COMPILED = ("inductor", "inductor-frozen", "inductor-dynamic")
-BESIDE = (*COMPILED, "linear-auto", "bfloat16")
+LINEAR = ("linear-auto", "linear-two-ways")
+BESIDE = (*COMPILED, *LINEAR, "bfloat16")
 
 
 def build(model: torch.nn.Module, variant: str) -> torch.nn.Module:
-    if variant in ("eager", "linear-auto"):
+    if variant == "eager" or variant in LINEAR:
         return model
     if variant == "bfloat16":
         return copy.deepcopy(model).to(torch.bfloat16)
@@ -88,7 +91,7 @@ class Runner:
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=ModelConfig().name_or_path)
-    p.add_argument("--compiled", default="inductor", choices=BESIDE, help="the variant beside eager")
+    p.add_argument("--compiled", nargs="+", default=["inductor"], choices=BESIDE, help="the variants beside eager")
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
@@ -97,7 +100,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     model, _ = load_model(ModelConfig(name_or_path=args.model))
     widths = sorted(set(args.widths) | {1})
-    variants = ["eager", args.compiled]
+    if len(set(args.compiled) & set(COMPILED)) > 1:
+        p.error(f"at most one compiled variant a run (of {', '.join(COMPILED)})")
+    variants = ["eager", *dict.fromkeys(args.compiled)]
     runners, compile_seconds = {}, {}
     for variant in variants:
         start = time.perf_counter()
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> Path:
         if variant == "linear-auto":
             linear = faster_linear(model)
             print(f"linear-auto: {'on' if linear else 'off (torch measured as fast here)'}", flush=True)
+        if variant == "linear-two-ways":  # timed here, in this process: the record holds the three ways' choices
+            linear = FasterLinear(choose=lambda x, w, b: faster_way(x, w, b, ways=("torch", "weight_first")))
         runners[variant] = Runner(build(model, variant), args.batch, args.context, seed=0, linear=linear)
         for q in widths:  # every shape compiled (and warmed) before anything is timed
             runners[variant].forward(q)

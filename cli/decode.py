@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -198,10 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(summary)
     mode = faster_linear(model, config.linear) if args.device == "cpu" else None  # decided already: measures nothing
     if mode is not None and mode.record is not None:
-        first = sorted(key for key, way in mode.choices.items() if way == "weight_first")
+        ways = Counter(mode.choices.values())
         print(
-            f"linear layers: weight first for {len(first)} of {len(mode.choices)} product shapes, as recorded in "
-            f"{mode.record.path}" + (f" ({'; '.join(first)})" if first else "")
+            "linear layers: "
+            + ", ".join(f"{way} for {count}" for way, count in sorted(ways.items()))
+            + f" of {len(mode.choices)} product shapes, as recorded in {mode.record.path}"
         )
     if config.method != "ar" and not config.lookup_tokens and tpf < 1.5:
         print(

@@ -57,7 +57,20 @@ class Acceptance:
     greedy: list[list[int]]  # each prompt's greedy continuation
     prefill_seconds: list[float]  # each prompt's prefill at batch 1
     ar_host_seconds: float  # AR's own time per step at batch 1
-    drafts: dict[str, DraftSteps] = field(default_factory=dict)  # by family: "jacobi", "rolling", "multiblock"
+    # By family ("jacobi", "rolling", "multiblock") at the recorded n; "<family>@<n>" at another n.
+    drafts: dict[str, DraftSteps] = field(default_factory=dict)
+
+    def steps_for(self, kind: str, block_size: int) -> DraftSteps:
+        """The record a configuration of family `kind` at `block_size` draws its runs from: of that family's
+        records, the narrowest at least as wide (a window's runs depend on its width, so the nearest is the best
+        stand-in), else the widest."""
+        records = [d for name, d in self.drafts.items() if name.split("@")[0] == kind]
+        if not records:
+            raise KeyError(f"no {kind} drafts were recorded")
+        wide = [d for d in records if d.config.block_size >= block_size]
+        if wide:
+            return min(wide, key=lambda d: d.config.block_size)
+        return max(records, key=lambda d: d.config.block_size)
 
     def subset(self, indices: Sequence[int]) -> Acceptance:
         """The same measurements restricted to some prompts (the draft records stay pooled)."""

@@ -53,7 +53,7 @@ def replay_widths(config: DecodeConfig, acceptance: Acceptance, seed: int) -> tu
     """(tokens, widths of every row-forward) of `config` replayed on every tuning prompt."""
     rng = random.Random(seed)
     kind = family(config)
-    steps = None if kind == "ar" else acceptance.drafts[kind]
+    steps = None if kind == "ar" else acceptance.steps_for(kind, config.block_size)
     tokens, widths = 0, []
     for prompt, output in zip(acceptance.prompts, acceptance.greedy):
         lookup = PromptLookup(config.lookup_ngram, config.lookup_tokens, prompt) if config.lookup_tokens else None

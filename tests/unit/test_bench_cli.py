@@ -150,6 +150,38 @@ def test_compile_curve_times_a_bfloat16_copy_beside_the_model(tiny, tmp_path):
     assert next(model.parameters()).dtype == torch.float32
 
 
+def test_compile_curve_times_several_eager_variants_in_one_run_but_one_compiled(tiny, tmp_path):
+    """The linear mode with and without the C kernel beside eager, interleaved in one run; two compiled variants in
+    one process would share graphs, so they are refused."""
+    from bench import compile_curve
+
+    args = ["--model", str(tiny), "--widths", "1", "3", "--rounds", "2", "--out", str(tmp_path / "curve.json")]
+    out = compile_curve.main([*args, "--compiled", "linear-two-ways", "linear-auto"])
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["eager", "linear-two-ways", "linear-auto"] and all(
+        r["ms"]["3"] > 0 for r in results.values()
+    )
+    with pytest.raises(SystemExit):
+        compile_curve.main([*args, "--compiled", "inductor", "inductor-frozen"])
+
+
+def test_linear_ways_times_every_way_on_every_weight_shape(tiny, tmp_path):
+    from bench import linear_ways
+    from jfcore.decoding.runner.linear import WAYS
+
+    out = linear_ways.main(
+        ["--model", str(tiny), "--rows", "1", "5", "--rounds", "2", "--out", str(tmp_path / "w.json")]
+    )
+    table = json.loads(out.read_text())["microseconds"]
+    model = linear_ways.load_model(linear_ways.ModelConfig(name_or_path=str(tiny)))[0]
+    shapes = {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert set(table) == shapes
+    assert all(
+        set(cells) == {"1", "5"} and all(set(c) == set(WAYS) for c in cells.values()) for cells in table.values()
+    )
+    assert all(us > 0 for cells in table.values() for c in cells.values() for us in c.values())
+
+
 def test_text_repetition_counts_the_4grams_a_completion_repeats():
     from bench.text_repetition import repeated_share
 

@@ -1,5 +1,5 @@
-"""Linear layers computed the faster of two ways (jfcore/decoding/runner/linear.py): the same products, the chosen way
-used, decoding still exact."""
+"""Linear layers computed the fastest of three ways (jfcore/decoding/runner/linear.py): the same products, the chosen
+way used, decoding still exact."""
 
 from __future__ import annotations
 
@@ -35,6 +35,44 @@ def test_both_ways_compute_torchs_product(rows, bias):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_the_c_kernel_was_built():
+    assert "rows" in WAYS, "jfcore/decoding/runner/_rows.c was not built: install a C compiler, pip install -e ."
+
+
+@pytest.mark.parametrize("shape", [(1536, 576), (49152, 64), (7, 13), (9, 35), (3, 16), (320, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
+def test_the_c_kernel_sums_like_float64_and_each_row_alone(shape, rows):
+    """Against the float64 product: within float32 rounding of a K-term sum, like torch's own kernel, for weight row
+    counts that are not a multiple of its block of 4, inner sizes that are not a multiple of its 16 lanes, and input
+    row counts that are not a multiple of its 4. Each row's outputs are bitwise the same as that row's alone and
+    whatever the thread count: they do not depend on what else the forward carries."""
+    outputs, features = shape
+    x, weight, bias = operands((rows,), features=features, outputs=outputs, seed=rows)
+    exact = torch.addmm(bias.double(), x.double(), weight.double().t())
+    got = WAYS["rows"](x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs) and got.is_contiguous()
+    bound = 4 * features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().t() + 1)
+    assert ((got.double() - exact).abs() <= bound).all()
+    for row in {0, rows - 1}:
+        assert torch.equal(WAYS["rows"](x[row : row + 1], weight, bias), got[row : row + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(WAYS["rows"](x, weight, bias), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_c_kernel_shares_torchs_openmp_runtime():
+    """Its threads are torch's: one libgomp is mapped (two runtimes would each keep a pool spinning on the same
+    cores)."""
+    x, weight, bias = operands((4,), features=64, outputs=64)
+    WAYS["rows"](x, weight, bias)
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
 @pytest.mark.parametrize("way", list(WAYS))
 def test_the_mode_runs_the_chosen_way_and_chooses_once_per_shape(way):
     calls = []
@@ -47,10 +85,9 @@ def test_the_mode_runs_the_chosen_way_and_chooses_once_per_shape(way):
     mode = FasterLinear(choose=choose)
     x = torch.randn(1, 3, 576)
     with torch.inference_mode():
-        # The two ways round differently here, so the output shows which one ran.
-        assert not torch.equal(
-            WAYS["torch"](x, layer.weight, layer.bias), WAYS["weight_first"](x, layer.weight, layer.bias)
-        )
+        # The ways round differently here, so the output shows which one ran.
+        outputs = [w(x, layer.weight, layer.bias) for w in WAYS.values()]
+        assert not any(torch.equal(a, b) for i, a in enumerate(outputs) for b in outputs[i + 1 :])
         with mode:
             first, again = layer(x), layer(x)
             layer(x[:, :2])
@@ -118,20 +155,19 @@ def test_small_models_and_torch_setting_run_no_mode():
         DecodeConfig(linear="fast")
 
 
+@pytest.mark.parametrize("way", [name for name in WAYS if name != "torch"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("method", ["ar", "jacobi", "multiblock"])
-def test_decoding_through_the_weight_first_way_matches_generate(arch, method):
+def test_decoding_through_another_way_matches_generate(arch, method, way):
     """Every linear product of the forwards the mode runs (those over at most MAX_ROWS positions, a prefill's
-    included) computed weight first, one row as two: the tokens are still `generate`'s."""
+    included) computed weight first (one row as two) or by the C kernel: the tokens are still `generate`'s."""
     model = tiny_model(arch)
     prompts = [[7, 3, 9, 1, 4, 4, 2], [5], [11, 12, 13], [60, 2, 2, 8, 9, 1, 33, 71, 5, 5, 19]]
     expected = [greedy_reference(model, p, 40) for p in prompts]
     config = DecodeConfig(method=method, block_size=5, max_new_tokens=40)
     chosen = []
     decoder = Decoder(model, config, [], 0)
-    decoder.runner.linear = FasterLinear(
-        choose=lambda x, weight, bias: chosen.append(x.numel() // x.shape[-1]) or "weight_first"
-    )
+    decoder.runner.linear = FasterLinear(choose=lambda x, weight, bias: chosen.append(x.numel() // x.shape[-1]) or way)
     assert decoder.decode(prompts).sequences == expected
     assert decoder.decode(prompts[:1]).sequences == expected[:1]  # one row: AR's products are one row each
     assert 1 in chosen and max(chosen) > 1  # one-row products and wider ones went through it

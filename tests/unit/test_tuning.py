@@ -91,6 +91,22 @@ def test_rolling_windows_are_on_the_grid_and_predicted_from_their_own_drafts(acc
     assert at[True].tpf > at[False].tpf and at[True].mean_width == at[False].mean_width == 4
 
 
+def test_a_window_draws_its_runs_from_the_narrowest_record_at_least_as_wide(acceptance):
+    """Rolling drafts recorded at n = 8 and n = 4: a window of 2, 3 or 4 is predicted from the n = 4 record, one of 6
+    or 8 from the n = 8 record, a wider one from the widest; a family never recorded is an error naming it."""
+    _, acc = acceptance
+    fixed = acc.drafts["jacobi"]
+    wide = replace(fixed, config=replace(fixed.config, rolling=True), accepted=(1,) * len(fixed.accepted))
+    narrow = replace(fixed, config=replace(fixed.config, rolling=True, block_size=4), accepted=(3,) * 50)
+    acc = replace(acc, drafts={**acc.drafts, "rolling": wide, "rolling@4": narrow})
+    assert [acc.steps_for("rolling", n) for n in (2, 3, 4, 6, 8, 16)] == [narrow] * 3 + [wide] * 3
+    curve = CostCurve(1, 16, (1, 64), (1.0, 1.0))
+    tpf = {n: predict(DecodeConfig(method="jacobi", block_size=n, rolling=True), acc, curve, 0.0).tpf for n in (4, 8)}
+    assert tpf[4] > 2.5 and tpf[8] < 1.2  # each from its own record: 3 tokens a forward against 1
+    with pytest.raises(KeyError, match="no multiblock drafts were recorded"):
+        replace(acc, drafts={"jacobi": fixed}).steps_for("multiblock", 8)
+
+
 def _tuned(machine, lookup_tokens=6):
     decoding = DecodeConfig(method="ar", block_size=1, lookup_tokens=lookup_tokens, lookup_ngram=2)
     return TunedDecoding(
@@ -189,7 +205,9 @@ def test_jf_tune_writes_the_tune_into_the_checkpoint_and_reuses_it(tmp_path, cap
     report = json.loads((tmp_path / "out" / tuned.report.split("/")[-1] / "tune.json").read_text())
     confirmed = report["buckets"][0]["confirmed"]
     assert confirmed[0]["config"] == "ar" and all(c["exact"] for c in confirmed)
-    assert set(report["acceptance"]["drafts"]) == {"jacobi", "rolling", "multiblock"}  # recorded at the trained n
+    # Recorded at the trained n, and the rolling window at half of it too.
+    assert set(report["acceptance"]["drafts"]) == {"jacobi", "rolling", "multiblock", "rolling@2"}
+    assert report["acceptance"]["drafts"]["rolling@2"]["block_size"] == 2
     assert report["buckets"][0]["chosen"]["measured_speedup"] == max(c["measured_speedup"] for c in confirmed)
     assert jf_tune(args) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["reused"] is True

@@ -1,5 +1,5 @@
-"""Linear layers over a few rows on a CPU, computed the faster of two ways (docs/DESIGN.md, "Linear layers on a
-CPU").
+"""Linear layers over a few rows on a CPU, computed the fastest of up to three ways (docs/DESIGN.md, "Linear layers
+on a CPU").
 
 A decode forward over q positions multiplies q rows by every weight matrix. Batch-1 decoding is memory-bound, so
 q = 2..16 should cost about what q = 1 costs: the weights are read once either way. Whether it does depends on the
@@ -7,16 +7,18 @@ host's matrix library. On an AMD EPYC host with torch's MKL, `F.linear` over 2 o
 (a matrix-vector product per row, each reading the whole weight), and one row through SmolLM2-135M's 49152 x 576
 output head reads its 113 MB at 17 GB/s; the same products computed with the weight first, weight x inputs^T (the
 rows become the library's short dimension), cost 0.3-0.8 of that, and 2.3 ms instead of 6.8 for the head's one row
-(as two equal rows). On another host torch's own way may be the faster.
+(as two equal rows). The third way, `rows` (jfcore/decoding/runner/_rows.c, built at install where a C compiler is
+at hand), reads each block of weight rows once and multiplies it with every input row while it is in cache: 2-4
+times faster than either at 1-32 rows on that host. On another host torch's own way may be the fastest.
 
-So, by measurement, once per machine: `faster_linear(model)` times both ways on the model's largest weight, at 2
-and 4 rows; if the weight-first way is clearly faster there, decode forwards over at most `MAX_ROWS` positions run
-under `FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
-untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times the two ways on
-that product's operands before computing it, and uses the faster from then on. Both decisions are kept in this
+So, by measurement, once per machine: `faster_linear(model)` times the ways on the model's largest weight, at 2
+and 4 rows; if another way is clearly faster than torch's there, decode forwards over at most `MAX_ROWS` positions
+run under `FasterLinear`, a torch function mode (PyTorch's public override mechanism: the model and its classes are
+untouched) that, for each weight shape and row count it meets (in `shape_bucket` buckets), times the ways on
+that product's operands before computing it, and uses the fastest from then on. Both decisions are kept in this
 machine's kernel record (jfcore/decoding/runner/kernel_record.py), so every later process computes the way recorded and
 the same command gives the same tokens in every process. Other dtypes and devices, and products that need
-gradients, go to torch as they are. Both ways compute the same sums in another order: results agree to float
+gradients, go to torch as they are. The ways compute the same sums in other orders: results agree to float
 rounding, which, like any kernel change, can flip a greedy choice only where the top two logits tie to rounding
 (the decoders' tests compare tokens with `generate`'s).
 """
@@ -35,13 +37,19 @@ from torch.overrides import TorchFunctionMode
 from jfcore.decoding.runner.kernel_record import KernelRecord, this_machines_record
 from jfcore.decoding.runner.kv_cache import shape_bucket
 
-# Products of more rows go to torch unchanged: its kernels do about as well there (weight first gained 0-30% at
-# 32-128 rows on the host above), and a forward over more positions runs without the mode, whose Python dispatch
-# of every torch call costs a few percent of such a forward.
-MAX_ROWS = 32
+try:  # after torch, whose OpenMP runtime (libgomp.so.1) the kernel's threads then share
+    from jfcore.decoding.runner import _rows
+except ImportError:  # built at install where a C compiler is at hand (pyproject.toml)
+    _rows = None
+
+# Products of more rows go to torch unchanged, and a forward over more positions runs without the mode: the C kernel
+# keeps every input row in cache, which at 128 rows of 1536 floats fills a core's second level, and the mode's
+# Python dispatch of every torch call costs a few percent of a wide forward. At 32-128 rows the C kernel still took
+# half of torch's time on the host above (weight first gained 0-30% there).
+MAX_ROWS = 128
 SAMPLES = 3  # timed calls of each way, taking turns, before a weight shape and row count's way is chosen
-PROBE_ROWS = (2, 4)  # where `faster_linear` compares the two ways before using the mode at all
-GAIN = 1.25  # the weight-first way must be this much faster at a probe row count to be used
+PROBE_ROWS = (2, 4)  # where `faster_linear` compares the ways before using the mode at all
+GAIN = 1.25  # another way must be this much faster than torch's at a probe row count for the mode to be used
 # A model whose largest weight is smaller (4 MB in float32) keeps torch's way: its weights stay in cache, where the
 # kernels differ little and a timing is mostly noise.
 MIN_WEIGHT = 1 << 20
@@ -65,34 +73,65 @@ def _weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _rows_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T in C, each block of weight rows read once for every row of x (jfcore/decoding/runner/_rows.c)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    bias = None if bias is None else bias.contiguous()  # held: the C code reads it by address
+    bias_address = 0 if bias is None else bias.data_ptr()
+    n, k = weight.shape
+    threads = torch.get_num_threads()
+    args = (rows.data_ptr(), weight.data_ptr(), bias_address, out.data_ptr(), rows.shape[0], n, k, threads)
+    if torch.autograd._profiler_enabled():  # named in a profile; a record costs microseconds, so only then
+        with torch.profiler.record_function("jf::rows_linear"):
+            _rows.linear(*args)
+    else:
+        _rows.linear(*args)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 WAYS: dict[str, Way] = {"torch": _torch_way, "weight_first": _weight_first}
+if _rows is not None:
+    WAYS["rows"] = _rows_way
 
 
-def _best_seconds(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, float]:
-    """Each way's shortest of `SAMPLES` timed calls on these operands, the ways taking turns after one untimed call
-    each (first-call allocations)."""
+def _best_seconds(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ways: tuple[str, ...] | None = None
+) -> dict[str, float]:
+    """Each way's (of `ways`, default all) shortest of `SAMPLES` timed calls on these operands, the ways taking turns
+    after one untimed call each (first-call allocations)."""
+    timed = {name: WAYS[name] for name in ways or WAYS}
     seconds: dict[str, float] = {}
-    for name, way in WAYS.items():
+    for name, way in timed.items():
         way(x, weight, bias)
         seconds[name] = float("inf")
     for _ in range(SAMPLES):
-        for name, way in WAYS.items():
+        for name, way in timed.items():
             start = time.perf_counter()
             way(x, weight, bias)
             seconds[name] = min(seconds[name], time.perf_counter() - start)
     return seconds
 
 
-def faster_way(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """The way whose timed calls on these operands were the shortest."""
-    seconds = _best_seconds(x, weight, bias)
+def faster_way(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ways: tuple[str, ...] | None = None
+) -> str:
+    """The way (of `ways`, default all) whose timed calls on these operands were the shortest."""
+    seconds = _best_seconds(x, weight, bias, ways)
     return min(seconds, key=seconds.__getitem__)
 
 
+def _among() -> str:
+    # A record's keys name the ways that were timed, so a record made before a way existed is measured again.
+    return "" if list(WAYS) == ["torch", "weight_first"] else f" among {'/'.join(WAYS)}"
+
+
 def product_key(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """A product's key in a kernel record: its weight's shape, its row count's bucket and the thread count."""
+    """A product's key in a kernel record: its weight's shape, its row count's bucket, the thread count and (where
+    more than the first two exist) the ways timed."""
     rows = shape_bucket(x.numel() // x.shape[-1])
-    return f"{weight.shape[0]}x{weight.shape[1]} rows {rows} threads {torch.get_num_threads()}"
+    return f"{weight.shape[0]}x{weight.shape[1]} rows {rows} threads {torch.get_num_threads()}{_among()}"
 
 
 class FasterLinear(TorchFunctionMode):
@@ -163,7 +202,7 @@ _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def faster_linear(model: torch.nn.Module, setting: str = "auto") -> FasterLinear | None:
     """The mode `model`'s eager decode forwards run under for a `DecodeConfig.linear` setting: None for "torch",
     and for "auto" unless the model is float32 on a CPU, its largest linear weight has at least `MIN_WEIGHT`
-    elements and the weight-first way is at least `GAIN` times faster on it at a probe row count (measured once per
+    elements and another way is at least `GAIN` times faster than torch's on it at a probe row count (measured once per
     machine and weight shape, and recorded with the mode's choices in this machine's kernel record)."""
     if setting == "torch":
         return None
@@ -174,7 +213,7 @@ def faster_linear(model: torch.nn.Module, setting: str = "auto") -> FasterLinear
         big = weight is not None and weight.numel() >= MIN_WEIGHT
         if big and weight.device.type == "cpu" and weight.dtype == torch.float32:
             record = this_machines_record()
-            key = f"gains {weight.shape[0]}x{weight.shape[1]} threads {torch.get_num_threads()}"
+            key = f"gains {weight.shape[0]}x{weight.shape[1]} threads {torch.get_num_threads()}{_among()}"
             if record.decide(key, lambda: _gains(weight)):
                 _MODES[model] = FasterLinear(record)
     return _MODES[model]
@@ -185,6 +224,6 @@ def _gains(weight: torch.Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
         seconds = _best_seconds(torch.randn(rows, weight.shape[1], generator=generator), weight, None)
-        if seconds["torch"] >= GAIN * seconds["weight_first"]:
+        if seconds.pop("torch") >= GAIN * min(seconds.values()):
             return True
     return False

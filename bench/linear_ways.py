@@ -1,0 +1,66 @@
+"""Each way of the CPU linear mode on a model's own weight shapes: microseconds of one product, side by side.
+
+    python -m bench.linear_ways                                   # SmolLM2-135M's shapes, rows 1 2 4 8 16 32 128
+    python -m bench.linear_ways --rows 1 3 5 8 --rounds 21
+
+For every distinct linear weight shape of the model (its first weight of each shape, float32) and every row count,
+the ways of jfcore/decoding/runner/linear.py (torch's `F.linear`, weight first, and the C kernel `rows` where it was
+built) take turns over `--rounds` rounds; the median is kept. The weight is hot in cache here, unlike in a whole
+forward, where each weight comes from memory once: `bench.compile_curve` measures that. Printed and written to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS
+from jfcore.decoding.runner.linear import WAYS
+from jfcore.models import ModelConfig, load_model
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=ModelConfig().name_or_path)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    model, _ = load_model(ModelConfig(name_or_path=args.model, dtype="float32"))
+    weights = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weights.setdefault(tuple(module.weight.shape), module.weight)
+    generator = torch.Generator().manual_seed(0)
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for shape, weight in weights.items():
+        for rows in args.rows:
+            x = torch.randn(rows, shape[1], generator=generator)
+            times = {name: [] for name in WAYS}
+            for name, way in WAYS.items():
+                way(x, weight, None)  # first-call allocations
+            for _ in range(args.rounds):
+                for name, way in WAYS.items():
+                    start = time.perf_counter()
+                    way(x, weight, None)
+                    times[name].append(time.perf_counter() - start)
+            cell = {name: 1e6 * statistics.median(t) for name, t in times.items()}
+            table.setdefault(f"{shape[0]}x{shape[1]}", {})[str(rows)] = cell
+            ways = ", ".join(f"{name} {us:.0f}" for name, us in cell.items())
+            print(f"{shape[0]}x{shape[1]} rows {rows}: {ways} us", flush=True)
+    out = args.out or RESULTS / f"linear-ways-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"model": args.model, "rounds": args.rounds, "threads": torch.get_num_threads(), "ways": list(WAYS)}
+    out.write_text(json.dumps({"settings": settings, "microseconds": table}, indent=2))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+/* y = x W^T + b over a few float32 rows, reading W once (docs/DESIGN.md, "Linear layers on a CPU").
+ *
+ * A decode forward multiplies its q positions (1 to about 128) by every weight; the weights come from memory, so a
+ * good kernel costs about the same at q = 8 as at q = 1. The matrix library's kernels do not get there on every
+ * host (a forward over 8 positions costing 1.7 times one over a single position on 2 EPYC cores), so this one
+ * streams each block of 4 weight rows through the first level cache once and multiplies it with every input row
+ * there, 4 at a time: 16 accumulators of 16 lanes, folded into sums once per output.
+ *
+ * Each output is one weight row's dot product with one input row, summed in the same order whatever the number of
+ * rows or threads: a position's outputs do not depend on how many positions a forward carries. Threads share torch's
+ * OpenMP pool (this module links libgomp.so.1, which torch has loaded by the time jfcore/decoding/runner/linear.py
+ * imports it) and split the weight rows.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) /* one build per instruction set, picked when the module loads */
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int i16 __attribute__((vector_size(64)));
+
+#define WROWS 4 /* weight rows a block */
+#define XROWS 4 /* input rows multiplied with a block at once */
+#define LANES 16
+
+static inline __attribute__((always_inline)) v16 load(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Four accumulators folded into one vector whose lanes 0, 4, 8 and 12 hold the sums of a, c, b and d. */
+static inline __attribute__((always_inline)) v16 fold4(v16 a, v16 b, v16 c, v16 d) {
+    const i16 lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16 hi16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    v16 ab = __builtin_shuffle(a, b, lo16) + __builtin_shuffle(a, b, hi16); /* a's 8 partials, then b's */
+    v16 cd = __builtin_shuffle(c, d, lo16) + __builtin_shuffle(c, d, hi16);
+    const i16 lo8 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i16 hi8 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    v16 e = __builtin_shuffle(ab, cd, lo8) + __builtin_shuffle(ab, cd, hi8); /* groups of 4: a, c, b, d */
+    const i16 swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    e += __builtin_shuffle(e, swap2);
+    const i16 swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    return e + __builtin_shuffle(e, swap1);
+}
+
+/* `xrows` (1..4) input rows against the 4 weight rows at w: out[m * ldy + j] = x_m . w_j. */
+static inline __attribute__((always_inline)) void block(const float *w, const float *x, int64_t k, int xrows,
+                                                        float *out, int64_t ldy) {
+    v16 acc[WROWS][XROWS];
+    for (int j = 0; j < WROWS; j++)
+        for (int m = 0; m < XROWS; m++) acc[j][m] = (v16){0};
+    int64_t whole = k - k % LANES;
+    for (int64_t i = 0; i < whole; i += LANES) {
+        v16 wv[WROWS];
+        for (int j = 0; j < WROWS; j++) wv[j] = load(w + j * k + i);
+        for (int m = 0; m < xrows; m++) {
+            v16 xv = load(x + m * k + i);
+            for (int j = 0; j < WROWS; j++) acc[j][m] += wv[j] * xv;
+        }
+    }
+    for (int j = 0; j < WROWS; j++) {
+        v16 sums = fold4(acc[j][0], acc[j][2], acc[j][1], acc[j][3]);
+        for (int m = 0; m < xrows; m++) {
+            float s = sums[4 * m];
+            for (int64_t i = whole; i < k; i++) s += w[j * k + i] * x[m * k + i];
+            out[m * ldy + j] = s;
+        }
+    }
+}
+
+/* Weight rows [first, last) of a product whose first row is a multiple of WROWS; the remainder row by row. */
+CLONES static void rows_range(const float *x, const float *w, const float *b, float *y, int64_t rows, int64_t n,
+                              int64_t k, int64_t first, int64_t last) {
+    int64_t j = first;
+    for (; j + WROWS <= last; j += WROWS) {
+        for (int64_t m = 0; m < rows; m += XROWS) {
+            int64_t xrows = rows - m < XROWS ? rows - m : XROWS;
+            const float *xm = x + m * k;
+            float *ym = y + m * n + j;
+            switch (xrows) { /* constant row counts, so the accumulators stay in registers */
+            case 4: block(w + j * k, xm, k, 4, ym, n); break;
+            case 3: block(w + j * k, xm, k, 3, ym, n); break;
+            case 2: block(w + j * k, xm, k, 2, ym, n); break;
+            default: block(w + j * k, xm, k, 1, ym, n); break;
+            }
+        }
+    }
+    for (; j < last; j++)
+        for (int64_t m = 0; m < rows; m++) {
+            float s = 0;
+            for (int64_t i = 0; i < k; i++) s += w[j * k + i] * x[m * k + i];
+            y[m * n + j] = s;
+        }
+    if (b)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t c = first; c < last; c++) y[m * n + c] += b[c];
+}
+
+static void *pointer(PyObject *address) { return PyLong_AsVoidPtr(address); }
+
+/* linear(x, w, b, y, rows, n, k, threads): y[rows, n] = x[rows, k] w[n, k]^T (+ b[n]); contiguous float32 buffers
+ * by address (b: 0 for none). */
+static PyObject *linear(PyObject *self, PyObject *args) {
+    PyObject *xa, *wa, *ba, *ya;
+    Py_ssize_t rows, n, k, threads;
+    if (!PyArg_ParseTuple(args, "OOOOnnnn", &xa, &wa, &ba, &ya, &rows, &n, &k, &threads)) return NULL;
+    const float *x = pointer(xa), *w = pointer(wa), *b = pointer(ba);
+    float *y = pointer(ya);
+    if (PyErr_Occurred()) return NULL;
+    if (rows <= 0 || n <= 0 || k <= 0 || threads <= 0 || !x || !w || !y) {
+        PyErr_SetString(PyExc_ValueError, "linear: empty product or null buffer");
+        return NULL;
+    }
+    int64_t blocks = (n + WROWS - 1) / WROWS;
+    if (threads > blocks) threads = blocks;
+    Py_BEGIN_ALLOW_THREADS;
+#pragma omp parallel num_threads((int)threads)
+    {
+        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        int64_t first = blocks * t / count * WROWS, last = blocks * (t + 1) / count * WROWS;
+        if (last > n) last = n;
+        if (first < last) rows_range(x, w, b, y, rows, n, k, first, last);
+    }
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"linear", linear, METH_VARARGS, "y = x w^T (+ b) over a few float32 rows, by buffer address."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Linear layers over a few rows, weight read once.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
