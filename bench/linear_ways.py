@@ -6,7 +6,11 @@
 For every distinct linear weight shape of the model (its first weight of each shape, float32) and every row count,
 the ways of jfcore/decoding/runner/linear.py (torch's `F.linear`, weight first, and the C kernel `rows` where it was
 built) take turns over `--rounds` rounds; the median is kept. The weight is hot in cache here, unlike in a whole
-forward, where each weight comes from memory once: `bench.compile_curve` measures that. Printed and written to JSON.
+forward, where each weight comes from memory once. `--sweep` times that instead: each way multiplies the rows by
+every linear weight of the model in turn (the output embedding aside), as a forward's layers do, so the weights
+come from memory (`bench.compile_curve` times whole forwards). Printed and written to JSON.
+
+    python -m bench.linear_ways --sweep --rows 1 4 8 16 --rounds 15
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--model", default=ModelConfig().name_or_path)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--sweep", action="store_true", help="every weight in turn, from memory: milliseconds a sweep")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     model, _ = load_model(ModelConfig(name_or_path=args.model, dtype="float32"))
+    if args.sweep:
+        return _sweep(model, args)
     weights = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -58,6 +65,34 @@ def main(argv: list[str] | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"model": args.model, "rounds": args.rounds, "threads": torch.get_num_threads(), "ways": list(WAYS)}
     out.write_text(json.dumps({"settings": settings, "microseconds": table}, indent=2))
+    print(f"wrote {out}")
+    return out
+
+
+def _sweep(model: torch.nn.Module, args: argparse.Namespace) -> Path:
+    output = model.get_output_embeddings()
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{len(weights)} weights, {megabytes:.0f} MB", flush=True)
+    generator = torch.Generator().manual_seed(0)
+    table: dict[str, dict[str, float]] = {}
+    for rows in args.rows:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator) for w in weights}
+        times = {name: [] for name in WAYS}
+        for round_ in range(args.rounds + 1):  # round 0: first-call allocations, not kept
+            for name, way in WAYS.items():
+                start = time.perf_counter()
+                for weight in weights:
+                    way(inputs[weight.shape[1]], weight, None)
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+        table[str(rows)] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        ways = ", ".join(f"{name} {ms:.1f}" for name, ms in table[str(rows)].items())
+        print(f"rows {rows}: {ways} ms a sweep", flush=True)
+    out = args.out or RESULTS / f"linear-sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"model": args.model, "rounds": args.rounds, "threads": torch.get_num_threads(), "ways": list(WAYS)}
+    out.write_text(json.dumps({"settings": settings, "weights_mb": megabytes, "milliseconds": table}, indent=2))
     print(f"wrote {out}")
     return out
 

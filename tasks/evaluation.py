@@ -34,6 +34,7 @@ from jfcore.contracts import (
     SUMMARY,
     TABLE_METRICS,
 )
+from jfcore.decoding import DecodeConfig
 from jfcore.evaluation.benchmarks import Problem, benchmark_source, load_benchmark
 from jfcore.evaluation.config import REFERENCE, DecodingSettings, EvalConfig, EvalModel
 from jfcore.evaluation.isolation import require_isolation
@@ -79,7 +80,10 @@ class EvalWorker:
 
         torch.set_num_threads(threads)
         settings = from_dict(DecodingSettings, decoding, "decoding")
-        self.models = load_models({k: from_dict(EvalModel, v, f"models.{k}") for k, v in models.items()}, settings)
+        self.notes: list[str] = []  # why a model decodes untuned (no tune, another machine, a stale tune)
+        self.models = load_models(
+            {k: from_dict(EvalModel, v, f"models.{k}") for k, v in models.items()}, settings, log=self.notes.append
+        )
         self.evaluator = Evaluator(self.models, settings, isolated)
 
     def fingerprints(self) -> dict[str, dict[str, str]]:
@@ -88,6 +92,9 @@ class EvalWorker:
     def tuned(self) -> dict[str, dict]:
         """Each model's tuned decoding as this worker's machine reads it (part of the run's identity)."""
         return self.evaluator.tuned
+
+    def loading_notes(self) -> list[str]:
+        return self.notes
 
     def run(self, spec: ShardSpec, problems: list[Problem], folder: str):
         rows = self.evaluator.run(problems, offset=spec.start)
@@ -124,9 +131,14 @@ def run_evaluation(
                     f"model {label!r}: the workers loaded another tokenizer than the driver; "
                     "give an absolute name_or_path that every worker can read"
                 )
+        tuned = get(workers[0].tuned.remote()) if "tuned" in config.decoding.methods else None
+        for line in get(workers[0].loading_notes.remote()):
+            log(line)
+        for label, keys in (tuned or {}).items():
+            log(f"tuned: {label} decodes with {from_dict(DecodeConfig, keys, 'tuned').describe()}")
         settings = {
             "models": prints,
-            **({"tuned": get(workers[0].tuned.remote())} if "tuned" in config.decoding.methods else {}),
+            **({"tuned": tuned} if tuned is not None else {}),
             "problems": _digest([(p.benchmark, p.id, p.prompt) for p in problems]),
             "decoding": asdict(config.decoding),
             "problems_per_shard": config.problems_per_shard,

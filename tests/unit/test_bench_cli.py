@@ -182,6 +182,22 @@ def test_linear_ways_times_every_way_on_every_weight_shape(tiny, tmp_path):
     assert all(us > 0 for cells in table.values() for c in cells.values() for us in c.values())
 
 
+def test_linear_ways_sweep_times_every_way_over_all_weights(tiny, tmp_path):
+    from bench import linear_ways
+    from jfcore.decoding.runner.linear import WAYS
+
+    out = linear_ways.main(
+        ["--model", str(tiny), "--sweep", "--rows", "1", "3", "--rounds", "2", "--out", str(tmp_path / "s.json")]
+    )
+    result = json.loads(out.read_text())
+    model = linear_ways.load_model(linear_ways.ModelConfig(name_or_path=str(tiny)))[0]
+    output = model.get_output_embeddings()
+    swept = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+    assert result["weights_mb"] == pytest.approx(sum(w.numel() * 4 for w in swept) / 1e6)
+    assert set(result["milliseconds"]) == {"1", "3"}
+    assert all(set(c) == set(WAYS) and min(c.values()) > 0 for c in result["milliseconds"].values())
+
+
 def test_text_repetition_counts_the_4grams_a_completion_repeats():
     from bench.text_repetition import repeated_share
 

@@ -73,6 +73,17 @@ def test_the_c_kernel_shares_torchs_openmp_runtime():
     assert len(runtimes) == 1, runtimes
 
 
+def test_a_record_timed_with_an_older_c_kernel_is_measured_again():
+    """Kernel records keep each product's fastest way; the C kernel's speed changed with its version (2: the next
+    block prefetched), so its keys name the version, and choices timed against version 1 (keys ending "among
+    torch/weight_first/rows") are not reused."""
+    from jfcore.decoding.runner.linear import _rows
+
+    x, weight, _ = operands((4,))
+    assert _rows.VERSION >= 2
+    assert product_key(x, weight).endswith(f" among torch/weight_first/rows{_rows.VERSION}")
+
+
 @pytest.mark.parametrize("way", list(WAYS))
 def test_the_mode_runs_the_chosen_way_and_chooses_once_per_shape(way):
     calls = []

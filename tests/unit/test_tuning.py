@@ -241,3 +241,16 @@ def test_a_model_without_a_tune_gets_the_untuned_default_and_one_line(tmp_path):
     assert (config.method, config.block_size, config.lookup_tokens, config.max_new_tokens) == ("jacobi", 8, 0, 5)
     assert len(lines) == 1 and "has no tune" in lines[0]
     assert decoding_for(None, None, log=lines.append).block_size == 16 and len(lines) == 1  # no model folder: quiet
+
+
+def test_the_evaluation_worker_keeps_why_a_model_decodes_untuned(tmp_path):
+    """Inside an evaluation worker a missing or stale tune falls back to the untuned default; the worker keeps the
+    line for the driver's log (one run's log said nothing while its trained model's "tuned" rows decoded untuned)."""
+    from tasks.evaluation import EvalWorker
+
+    model = save_tiny_checkpoint(tmp_path / "model")
+    models = {"trained": {"model": {"name_or_path": str(model)}}}
+    worker = EvalWorker(models, {"methods": ["hf_greedy", "tuned"], "max_new_tokens": 8}, False, 1)
+    notes = worker.loading_notes()
+    assert len(notes) == 1 and notes[0].startswith("trained: ") and "has no tune" in notes[0]
+    assert worker.tuned()["trained"]["method"] == "jacobi" and not worker.tuned()["trained"]["lookup_tokens"]

@@ -51,9 +51,12 @@ static inline __attribute__((always_inline)) v16 fold4(v16 a, v16 b, v16 c, v16 
     return e + __builtin_shuffle(e, swap1);
 }
 
-/* `xrows` (1..4) input rows against the 4 weight rows at w: out[m * ldy + j] = x_m . w_j. */
+/* `xrows` (1..4) input rows against the 4 weight rows at w: out[m * ldy + j] = x_m . w_j. `next` (or 0): the next
+ * block's weight rows, fetched into cache meanwhile, so that memory keeps streaming while a block's later passes (rows
+ * 5-8, 9-12, ...) compute from cache; without it a forward over 8 positions cost 1.54 times one over a single
+ * position, with it 1.13 (docs/PERFORMANCE.md). */
 static inline __attribute__((always_inline)) void block(const float *w, const float *x, int64_t k, int xrows,
-                                                        float *out, int64_t ldy) {
+                                                        float *out, int64_t ldy, const float *next) {
     v16 acc[WROWS][XROWS];
     for (int j = 0; j < WROWS; j++)
         for (int m = 0; m < XROWS; m++) acc[j][m] = (v16){0};
@@ -61,6 +64,8 @@ static inline __attribute__((always_inline)) void block(const float *w, const fl
     for (int64_t i = 0; i < whole; i += LANES) {
         v16 wv[WROWS];
         for (int j = 0; j < WROWS; j++) wv[j] = load(w + j * k + i);
+        if (next) /* one 64-byte line a row, what a step reads of the current block */
+            for (int j = 0; j < WROWS; j++) __builtin_prefetch(next + j * k + i);
         for (int m = 0; m < xrows; m++) {
             v16 xv = load(x + m * k + i);
             for (int j = 0; j < WROWS; j++) acc[j][m] += wv[j] * xv;
@@ -85,11 +90,12 @@ CLONES static void rows_range(const float *x, const float *w, const float *b, fl
             int64_t xrows = rows - m < XROWS ? rows - m : XROWS;
             const float *xm = x + m * k;
             float *ym = y + m * n + j;
+            const float *next = j + 2 * WROWS <= last ? w + (j + WROWS) * k : 0;
             switch (xrows) { /* constant row counts, so the accumulators stay in registers */
-            case 4: block(w + j * k, xm, k, 4, ym, n); break;
-            case 3: block(w + j * k, xm, k, 3, ym, n); break;
-            case 2: block(w + j * k, xm, k, 2, ym, n); break;
-            default: block(w + j * k, xm, k, 1, ym, n); break;
+            case 4: block(w + j * k, xm, k, 4, ym, n, next); break;
+            case 3: block(w + j * k, xm, k, 3, ym, n, next); break;
+            case 2: block(w + j * k, xm, k, 2, ym, n, next); break;
+            default: block(w + j * k, xm, k, 1, ym, n, next); break;
             }
         }
     }
@@ -141,4 +147,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Linear layers over a few rows, weight read once.",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
+/* VERSION names the kernel in kernel records (jfcore/decoding/runner/linear.py): a change that alters its speed raises
+ * it, so records timed with the old one are measured again. 2: the next block's weights prefetched. */
+PyMODINIT_FUNC PyInit__rows(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -123,8 +123,10 @@ def faster_way(
 
 
 def _among() -> str:
-    # A record's keys name the ways that were timed, so a record made before a way existed is measured again.
-    return "" if list(WAYS) == ["torch", "weight_first"] else f" among {'/'.join(WAYS)}"
+    # A record's keys name the ways that were timed and the C kernel's version, so a record made before a way
+    # existed, or changed, is measured again.
+    names = [f"rows{_rows.VERSION}" if name == "rows" and _rows.VERSION > 1 else name for name in WAYS]
+    return "" if names == ["torch", "weight_first"] else f" among {'/'.join(names)}"
 
 
 def product_key(x: torch.Tensor, weight: torch.Tensor) -> str:
