@@ -61,12 +61,7 @@ def main(argv: list[str] | None = None) -> Path:
             table.setdefault(f"{shape[0]}x{shape[1]}", {})[str(rows)] = cell
             ways = ", ".join(f"{name} {us:.0f}" for name, us in cell.items())
             print(f"{shape[0]}x{shape[1]} rows {rows}: {ways} us", flush=True)
-    out = args.out or RESULTS / f"linear-ways-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"model": args.model, "rounds": args.rounds, "threads": torch.get_num_threads(), "ways": list(WAYS)}
-    out.write_text(json.dumps({"settings": settings, "microseconds": table}, indent=2))
-    print(f"wrote {out}")
-    return out
+    return _write(args, "linear-ways", {"microseconds": table})
 
 
 def _sweep(model: torch.nn.Module, args: argparse.Namespace) -> Path:
@@ -89,10 +84,14 @@ def _sweep(model: torch.nn.Module, args: argparse.Namespace) -> Path:
         table[str(rows)] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
         ways = ", ".join(f"{name} {ms:.1f}" for name, ms in table[str(rows)].items())
         print(f"rows {rows}: {ways} ms a sweep", flush=True)
-    out = args.out or RESULTS / f"linear-sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return _write(args, "linear-sweep", {"weights_mb": megabytes, "milliseconds": table})
+
+
+def _write(args: argparse.Namespace, name: str, results: dict) -> Path:
+    out = args.out or RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"model": args.model, "rounds": args.rounds, "threads": torch.get_num_threads(), "ways": list(WAYS)}
-    out.write_text(json.dumps({"settings": settings, "weights_mb": megabytes, "milliseconds": table}, indent=2))
+    out.write_text(json.dumps({"settings": settings, **results}, indent=2))
     print(f"wrote {out}")
     return out
 
