@@ -39,13 +39,29 @@ def test_the_c_kernel_was_built():
     assert "rows" in WAYS, "jfcore/decoding/runner/_rows.c was not built: install a C compiler, pip install -e ."
 
 
-@pytest.mark.parametrize("shape", [(1536, 576), (49152, 64), (7, 13), (9, 35), (3, 16), (320, 1)])
+def _kernels() -> list[str]:
+    from jfcore.decoding.runner.linear import _rows
+
+    return list(_rows.kernels()) if _rows is not None else []
+
+
+@pytest.fixture(params=_kernels())
+def kernel(request):
+    """Each kernel of `rows` this host runs: the narrow one (8 lanes) everywhere, the wide one (16) with AVX-512."""
+    from jfcore.decoding.runner.linear import _rows
+
+    before = _rows.use(request.param)
+    yield request.param
+    _rows.use(before)
+
+
+@pytest.mark.parametrize("shape", [(1536, 576), (49152, 64), (7, 13), (9, 35), (3, 16), (10, 40), (320, 1)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
-def test_the_c_kernel_sums_like_float64_and_each_row_alone(shape, rows):
+def test_the_c_kernel_sums_like_float64_and_each_row_alone(shape, rows, kernel):
     """Against the float64 product: within float32 rounding of a K-term sum, like torch's own kernel, for weight row
-    counts that are not a multiple of its block of 4, inner sizes that are not a multiple of its 16 lanes, and input
-    row counts that are not a multiple of its 4. Each row's outputs are bitwise the same as that row's alone and
-    whatever the thread count: they do not depend on what else the forward carries."""
+    counts that are not a multiple of its blocks (4 wide, 3 narrow), inner sizes that are not a multiple of its lanes
+    (16, 8), and input row counts that are not a multiple of its 4. Each row's outputs are bitwise the same as that
+    row's alone and whatever the thread count: they do not depend on what else the forward carries."""
     outputs, features = shape
     x, weight, bias = operands((rows,), features=features, outputs=outputs, seed=rows)
     exact = torch.addmm(bias.double(), x.double(), weight.double().t())
@@ -63,6 +79,18 @@ def test_the_c_kernel_sums_like_float64_and_each_row_alone(shape, rows):
         torch.set_num_threads(threads)
 
 
+def test_the_host_runs_the_wide_kernel_only_where_it_has_avx512():
+    from jfcore.decoding.runner.linear import _rows
+
+    with open("/proc/cpuinfo") as info:
+        flags = next((line.split() for line in info if line.startswith("flags")), [])
+    wide = all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"))
+    assert _rows.kernels() == (("wide", "narrow") if wide else ("narrow",))
+    if not wide:
+        with pytest.raises(ValueError, match="needs AVX-512"):
+            _rows.use("wide")
+
+
 def test_the_c_kernel_shares_torchs_openmp_runtime():
     """Its threads are torch's: one libgomp is mapped (two runtimes would each keep a pool spinning on the same
     cores)."""
@@ -75,12 +103,12 @@ def test_the_c_kernel_shares_torchs_openmp_runtime():
 
 def test_a_record_timed_with_an_older_c_kernel_is_measured_again():
     """Kernel records keep each product's fastest way; the C kernel's speed changed with its version (2: the next
-    block prefetched), so its keys name the version, and choices timed against version 1 (keys ending "among
-    torch/weight_first/rows") are not reused."""
+    block prefetched; 3: a narrow kernel without AVX-512), so its keys name the version, and choices timed against
+    version 1 (keys ending "among torch/weight_first/rows") are not reused."""
     from jfcore.decoding.runner.linear import _rows
 
     x, weight, _ = operands((4,))
-    assert _rows.VERSION >= 2
+    assert _rows.VERSION >= 3
     assert product_key(x, weight).endswith(f" among torch/weight_first/rows{_rows.VERSION}")
 
 
