@@ -198,6 +198,32 @@ def test_linear_ways_sweep_times_every_way_over_all_weights(tiny, tmp_path):
     assert all(set(c) == set(WAYS) and min(c.values()) > 0 for c in result["milliseconds"].values())
 
 
+def test_linear_ways_kernels_times_each_c_kernel_and_leaves_the_hosts_in_use(tiny, tmp_path):
+    from bench import linear_ways
+    from jfcore.decoding.runner.linear import _rows
+
+    if _rows is None:
+        pytest.fail("jfcore/decoding/runner/_rows.c was not built: install a C compiler, pip install -e .")
+    default = _rows.kernels()[0]
+    out = linear_ways.main(
+        [
+            "--model",
+            str(tiny),
+            "--sweep",
+            "--kernels",
+            "--rows",
+            "2",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "k.json"),
+        ]
+    )
+    cells = json.loads(out.read_text())["milliseconds"]["2"]
+    assert set(cells) == {"torch", "weight_first", *(f"rows:{k}" for k in _rows.kernels())}
+    assert _rows.use(default) == default  # each kernel was switched to for its own calls only
+
+
 def test_text_repetition_counts_the_4grams_a_completion_repeats():
     from bench.text_repetition import repeated_share
 
