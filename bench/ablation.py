@@ -43,7 +43,8 @@ RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m overrides its amou
     "training.checkpoint_every=100",
     "training.acceptance.every=100",
 ]
-RECIPE_200 = [*RECIPE_2H, "training.max_steps=200", "training.acceptance.every=50"]  # its first 200 steps
+# recipe-2h's objective on a quarter of the prompts for 200 steps: the block-size variants below change only n.
+RECIPE_256 = [*RECIPE_2H, "prompts.limit=256", "training.max_steps=200", "training.acceptance.every=50"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the recipe"),
     "ar-10": (["training.ar_weight=10"], "AR weight lambda 10"),
@@ -134,14 +135,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_2H, "prompts.limit=512", "packing.samples_per_prompt=9", "training.max_steps=1000"],
         "recipe-2h on 512 prompts, 9 states per block, 1000 steps (72 min): configs/campaign/cpu-2h.yaml",
     ),
-    # The block size again, with the recipe's objective instead of the base's: 256 prompts, 200 steps, at n = 8
-    # and at n = 16.
-    "block-8-recipe": (
-        [*RECIPE_200, "prompts.limit=256"],
-        "recipe-2h's objective at n = 8 (256 prompts), 200 steps",
-    ),
+    # The block size again, with the recipe's objective instead of the base's.
+    "block-8-recipe": (RECIPE_256, "recipe-2h's objective at n = 8 (256 prompts), 200 steps"),
     "block-16-recipe": (
-        [*RECIPE_200, "prompts.limit=256", "trajectories.block_size=16", "packing.window=16"],
+        [*RECIPE_256, "trajectories.block_size=16", "packing.window=16"],
         "recipe-2h's objective at n = 16 (256 prompts), 200 steps",
     ),
     "on-policy": (

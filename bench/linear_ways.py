@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS
-from jfcore.decoding.runner.linear import WAYS, Way, _rows
+from jfcore.decoding.runner.linear import WAYS, Way, _rows, rows_kernel
 from jfcore.models import ModelConfig, load_model
 
 
@@ -39,11 +39,8 @@ def _ways(kernels: bool) -> dict[str, Way]:
     for kernel in _rows.kernels():
 
         def way(x, weight, bias, kernel=kernel):
-            before = _rows.use(kernel)
-            try:
+            with rows_kernel(kernel):
                 return WAYS["rows"](x, weight, bias)
-            finally:
-                _rows.use(before)
 
         ways[f"rows:{kernel}"] = way
     return ways

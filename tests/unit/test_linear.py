@@ -48,11 +48,10 @@ def _kernels() -> list[str]:
 @pytest.fixture(params=_kernels())
 def kernel(request):
     """Each kernel of `rows` this host runs: the narrow one (8 lanes) everywhere, the wide one (16) with AVX-512."""
-    from jfcore.decoding.runner.linear import _rows
+    from jfcore.decoding.runner.linear import rows_kernel
 
-    before = _rows.use(request.param)
-    yield request.param
-    _rows.use(before)
+    with rows_kernel(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("shape", [(1536, 576), (49152, 64), (7, 13), (9, 35), (3, 16), (10, 40), (320, 1)])

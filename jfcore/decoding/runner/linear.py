@@ -96,6 +96,17 @@ if _rows is not None:
     WAYS["rows"] = _rows_way
 
 
+@contextlib.contextmanager
+def rows_kernel(name: str):
+    """Inside the block, `rows` runs the named C kernel (one of `_rows.kernels()`: "wide" where the host has
+    AVX-512, "narrow" everywhere) instead of the host's; for tests and benchmarks that compare the two."""
+    before = _rows.use(name)
+    try:
+        yield name
+    finally:
+        _rows.use(before)
+
+
 def _best_seconds(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ways: tuple[str, ...] | None = None
 ) -> dict[str, float]:
