@@ -102,7 +102,7 @@ def rows_kernel(name: str):
     AVX-512, "narrow" everywhere) instead of the host's; for tests and benchmarks that compare the two."""
     before = _rows.use(name)
     try:
-        yield name
+        yield
     finally:
         _rows.use(before)
 
