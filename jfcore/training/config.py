@@ -63,7 +63,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
     warmup_ratio: float = 0.03  # of all optimizer steps, linear from 0
-    lr_schedule: Literal["cosine", "constant"] = "cosine"  # after warmup: cosine decay to 0, or the rate held
+    # After warmup: cosine decay to 0, the rate held, or held and then decayed linearly to 0 over the last
+    # `decay_ratio` of the steps ("wsd": warmup, stable, decay).
+    lr_schedule: Literal["cosine", "constant", "wsd"] = "cosine"
+    decay_ratio: float = 0.2  # of all optimizer steps; only "wsd" reads it
     max_grad_norm: float = 1.0  # 0 disables clipping
     ar_weight: float = 10.0  # lambda in L = L_pc + lambda * L_AR
     # L_AR scores the response (the model's own greedy text) alone by default; true adds the prompt's next-token
@@ -122,6 +125,11 @@ class TrainConfig:
             f"TrainConfig.betas: {self.betas} are not two values in [0, 1)",
         )
         check(0 <= self.warmup_ratio < 1, f"TrainConfig.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        check(
+            0 < self.decay_ratio <= 1 - self.warmup_ratio,
+            f"TrainConfig.decay_ratio: must be in (0, 1 - warmup_ratio = {1 - self.warmup_ratio:g}], "
+            f"got {self.decay_ratio}",
+        )
         check(self.max_grad_norm >= 0, f"TrainConfig.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         check(self.ar_weight >= 0, f"TrainConfig.ar_weight: must be >= 0, got {self.ar_weight}")
         check(self.temperature > 0, f"TrainConfig.temperature: must be > 0, got {self.temperature}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_wsd_schedule
 
 from jfcore.config import ConfigError, replace_checked, to_dict
 from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
@@ -150,16 +150,22 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
         betas=config.betas,
         weight_decay=config.weight_decay,
     )
-    warmup = math.ceil(config.warmup_ratio * total)
-    if config.lr_schedule == "constant":
-        scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
-    else:
-        scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    scheduler = lr_scheduler(optimizer, config, total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return Trainer(
         config, engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config, heldout
     )
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total: int):
+    warmup = math.ceil(config.warmup_ratio * total)
+    if config.lr_schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    if config.lr_schedule == "wsd":
+        decay = min(math.ceil(config.decay_ratio * total), total - warmup)
+        return get_wsd_schedule(optimizer, warmup, decay, num_training_steps=total, decay_type="linear")
+    return get_cosine_schedule_with_warmup(optimizer, warmup, total)
 
 
 def _heldout_rows(config: TrainConfig, tokenizer_fingerprint: str) -> list[dict]:

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from jfcore.config import ConfigError, from_dict
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder
-from jfcore.training.loop import deepspeed_config
+from jfcore.training.loop import deepspeed_config, lr_scheduler
 from tests.support import REPO
 
 
@@ -26,6 +27,8 @@ def test_unknown_and_invalid_keys_are_named():
         ("micro_batch_size", 0, "micro_batch_size"),
         ("learning_rate", -1.0, "learning_rate"),
         ("warmup_ratio", 1.5, "warmup_ratio"),
+        ("decay_ratio", 0.99, r"decay_ratio: must be in \(0, 1 - warmup_ratio = 0.97\]"),
+        ("lr_schedule", "linear", "lr_schedule"),
         ("temperature", 0.0, "temperature"),
         ("precision", "fp8", "precision"),
         ("betas", [0.9], "betas"),
@@ -48,6 +51,21 @@ def test_acceptance_and_ar_settings_load_from_plain_data():
     assert config.ar_on_prompt and config.acceptance.every == 20 and config.acceptance.block_sizes == (4, 8)
     default = TrainConfig(data="d", output_dir="o")
     assert not default.ar_on_prompt and default.acceptance.every > 0 and default.acceptance.block_sizes == ()
+
+
+def test_wsd_schedule_holds_the_rate_then_decays_it_linearly_to_zero():
+    config = TrainConfig(
+        data="d", output_dir="o", learning_rate=1.0, warmup_ratio=0.1, lr_schedule="wsd", decay_ratio=0.4
+    )
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler, rates = lr_scheduler(optimizer, config, total=20), []
+    for _ in range(20):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == [0.0, 0.5, 1.0]  # 2 warmup steps
+    assert rates[2:12] == [1.0] * 10  # held until the last 8 steps
+    assert rates[12:] == pytest.approx([1 - k / 8 for k in range(8)])
 
 
 def test_deepspeed_file_may_not_set_what_the_training_config_owns():
