@@ -126,7 +126,7 @@ class TrainConfig:
         )
         check(0 <= self.warmup_ratio < 1, f"TrainConfig.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         check(
-            0 < self.decay_ratio <= 1 - self.warmup_ratio,
+            self.lr_schedule != "wsd" or 0 < self.decay_ratio <= 1 - self.warmup_ratio,
             f"TrainConfig.decay_ratio: must be in (0, 1 - warmup_ratio = {1 - self.warmup_ratio:g}], "
             f"got {self.decay_ratio}",
         )

@@ -159,6 +159,7 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total: int):
+    """The learning rate over `total` optimizer steps: linear warmup, then `config.lr_schedule`."""
     warmup = math.ceil(config.warmup_ratio * total)
     if config.lr_schedule == "constant":
         return get_constant_schedule_with_warmup(optimizer, warmup)
