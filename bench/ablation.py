@@ -141,6 +141,16 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_256, "trajectories.block_size=16", "packing.window=16"],
         "recipe-2h's objective at n = 16 (256 prompts), 200 steps",
     ),
+    # The objective's teacher: a frozen copy of the starting model instead of the model's own clean logits, with
+    # L_AR as KL to it (training.teacher), which holds the text where cross-entropy on the greedy tokens sharpens it.
+    "block-8-recipe+frozen": (
+        [*RECIPE_256, "training.teacher=frozen", "training.ar_weight=1"],
+        "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 1",
+    ),
+    "block-8-recipe+frozen-0.1": (
+        [*RECIPE_256, "training.teacher=frozen"],
+        "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 0.1",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

@@ -101,7 +101,19 @@ def curve_rows(recipe: Recipe, curve: dict, training: dict) -> list[dict]:
 
 
 def _cells(row: dict) -> dict:
-    keys = ("benchmark", "method", "samples", "accuracy", "timeouts", "tpf", "tps", "speedup_vs_ar", "speedup", "exact")
+    keys = (
+        "benchmark",
+        "method",
+        "samples",
+        "accuracy",
+        "timeouts",
+        "tpf",
+        "tps",
+        "speedup_vs_ar",
+        "speedup",
+        "repetition",
+        "exact",
+    )
     return {k: row.get(k) for k in keys}
 
 
@@ -265,10 +277,10 @@ def markdown(
             ),
             "",
             (
-                "| point | training tokens | method | TPF | vs own AR | vs HF greedy | accuracy | = greedy "
-                "| first diff (min) | overhead |"
+                "| point | training tokens | method | TPF | vs own AR | vs HF greedy | accuracy | repeated 4-grams "
+                "| = greedy | first diff (min) | overhead |"
             ),
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         pooled = [r for r in curve if r["benchmark"] == ALL] or curve
         for r in pooled:
@@ -277,7 +289,8 @@ def markdown(
             lines.append(
                 f"| {r['point']} | {r['train_tokens']:,} | {r['method']} | {r['tpf']:.3f} "
                 f"| {_x(r.get('speedup_vs_ar'))} | {_x(r['speedup'])} "
-                f"| {r['accuracy']:.1%} | {r['exact']:.0%} | {_or_dash(r.get('first_divergence_min'))} "
+                f"| {r['accuracy']:.1%} | {_pct(r.get('repetition'))} | {r['exact']:.0%} "
+                f"| {_or_dash(r.get('first_divergence_min'))} "
                 f"| {_pct(r.get('overhead'))} |"
             )
         lines += [

@@ -17,17 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-N = 4
-
-
-def repeated_share(tokens: list[int], n: int = N) -> float:
-    """Share of positions (from the n-th token on) whose n-gram ending there occurred earlier in `tokens`."""
-    seen, repeated = set(), 0
-    for i in range(n, len(tokens) + 1):
-        gram = tuple(tokens[i - n : i])
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / max(len(tokens) - n + 1, 1)
+from jfcore.evaluation.repetition import repeated_share
 
 
 def summarize(report: Path) -> dict:

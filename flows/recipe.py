@@ -14,7 +14,7 @@ stage's output under `work_dir`), so a recipe names only choices:
     evaluation: {benchmarks: [{name: gsm8k, limit: 20}], decoding: {max_new_tokens: 96}}
     # optional, in evaluation: learning_curve: {benchmarks: [...], max_new_tokens: 96}; fp32_check: 4
     tracking: {uri: http://127.0.0.1:5000, registered_model: jacobi-forcing-smollm2}
-    registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, rounds: 3, require_exact: true}
+    registry: {max_accuracy_drop_problems: 0, min_speedup_gain: 0.0, rounds: 3, require_exact: true, max_repetition_gain: 0.1}
     schedule: {cron: "0 3 * * 0"}
     retrain_from: base                             # or champion: retraining starts from the registry's champion
 

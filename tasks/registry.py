@@ -11,7 +11,9 @@ the trained model passes when it solves at most `max_accuracy_drop_problems`
 fewer problems than the bar, is faster than the bar by more than
 `min_speedup_gain` in every round (a gain inside the rounds' spread is noise),
 and (with `require_exact`) every one of its outputs equals greedy decoding in
-a float32 evaluation. The decision and its reason become tags of the version.
+a float32 evaluation. Its text may repeat itself at most `max_repetition_gain` more than the bar's (the share
+of tokens closing a 4-gram the completion already held): a loop drafts itself, so a model that drifted into
+loops decodes faster without drafting any better. The decision and its reason become tags of the version.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class GateConfig:
     min_speedup_gain: float = 0.0  # in every round its speed over the bar's must exceed 1 + this
     rounds: int = 3  # interleaved timing rounds of `method` per problem (evaluation.decoding.timing_rounds)
     require_exact: bool = True  # every output equal to greedy decoding, checked in a float32 evaluation
+    # The trained model's repeated-4-gram share may exceed the bar's by at most this (absolute); null: unchecked.
+    max_repetition_gain: float | None = 0.1
 
     def __post_init__(self) -> None:
         check(
@@ -75,6 +79,10 @@ class GateConfig:
             f"gate.max_accuracy_drop_problems: must be >= 0, got {self.max_accuracy_drop_problems}",
         )
         check(self.rounds >= 2, f"gate.rounds: the spread needs >= 2 timing rounds, got {self.rounds}")
+        check(
+            self.max_repetition_gain is None or self.max_repetition_gain >= 0,
+            f"gate.max_repetition_gain: must be >= 0 (or null: unchecked), got {self.max_repetition_gain}",
+        )
 
 
 def pooled(table: list[dict], model: str, method: str) -> dict:
@@ -122,15 +130,25 @@ def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: b
         )
     else:
         exact, exact_note = new["exact"] == 1.0, f"{new['exact']:.0%} of outputs equal greedy"
+    rise, allowed = new["repetition"] - bar["repetition"], gate.max_repetition_gain
+    fluent = allowed is None or rise <= allowed
+    repetition = f"repeated 4-grams {new['repetition']:.1%} vs {bar['repetition']:.1%} " + (
+        "(unchecked)" if allowed is None else f"(allowed rise {100 * allowed:.1f} points)"
+    )
     failed = [
         what
-        for what, ok in (("accuracy fell too far", accurate), ("not faster", faster), ("not exact", exact))
+        for what, ok in (
+            ("accuracy fell too far", accurate),
+            ("not faster", faster),
+            ("not exact", exact),
+            ("repeats itself more", fluent),
+        )
         if not ok
     ]
     reason = (
         f"{gate.method} vs {who}'s {gate.method}: solved {solved}/{new['samples']} vs {bar_solved}/{bar['samples']} "
         f"(allowed drop {gate.max_accuracy_drop_problems}), {speed}, {_x(new['speedup'])} vs {_x(bar['speedup'])} "
-        f"the base model's HF greedy, {exact_note}"
+        f"the base model's HF greedy, {exact_note}, {repetition}"
     )
     return not failed, (f"{'; '.join(failed)}: " if failed else "") + reason
 
@@ -159,6 +177,7 @@ def promote(
         GATE_FIGURES_TAG + "speedup": new["speedup"],
         GATE_FIGURES_TAG + "tpf": new["tpf"],
         GATE_FIGURES_TAG + "exact": new["exact"],
+        GATE_FIGURES_TAG + "repetition": new["repetition"],
         GATE_DECISION_TAG: PROMOTED if passed else REJECTED,
         GATE_REASON_TAG: reason,
     }

@@ -10,6 +10,7 @@
 | decode_tps | new tokens / wall seconds after the prefill |
 | speedup_vs_ar | tps / tps of the same model's AR in this project's engine (method `ar`, same kernels) on the same benchmark, measured side by side: what the method adds over one token per forward |
 | speedup | tps / tps of the baseline model's HF greedy on the same benchmark, measured side by side: kernels and method together |
+| repetition | mean over samples of the share of tokens that close a 4-gram the completion already held (jfcore/evaluation/repetition.py): a loop drafts itself, so a rise here inflates TPF |
 | exact | share of samples whose tokens equal the same model's HF greedy tokens (and, timed in several rounds, were the same in every round) |
 | round_tps | tps in each timing round (`decoding.timing_rounds`, for `decoding.timed_methods`), the first included; empty for one round |
 """
@@ -23,6 +24,7 @@ from statistics import mean
 
 from jfcore.contracts import ALL
 from jfcore.evaluation.config import REFERENCE, SAME_ENGINE_AR
+from jfcore.evaluation.repetition import repeated_share
 
 COLUMNS = (
     "benchmark",
@@ -36,6 +38,7 @@ COLUMNS = (
     "decode_tps",
     "speedup_vs_ar",
     "speedup",
+    "repetition",
     "exact",
 )
 
@@ -64,6 +67,7 @@ def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
                 "tpf": mean(r["tpf"] for r in rows),
                 "tps": tokens / seconds if seconds > 0 else 0.0,
                 "decode_tps": tokens / decode_seconds if decode_seconds > 0 else 0.0,
+                "repetition": mean(repeated_share(r["tokens"]) for r in rows),
                 "exact": mean(r["exact"] for r in rows),
                 "new_tokens": tokens,
                 "seconds": seconds,
@@ -105,15 +109,15 @@ def markdown_table(table: Sequence[dict], samples: Sequence[dict], baseline: str
     lines = [
         (
             "| benchmark | model | method | samples | accuracy | timeouts | TPF | TPS | decode TPS | vs own AR "
-            f"| vs {baseline} HF greedy | = HF greedy |"
+            f"| vs {baseline} HF greedy | repeated 4-grams | = HF greedy |"
         ),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         lines.append(
             f"| {r['benchmark']} | {r['model']} | {r['method']} | {r['samples']} | {r['accuracy']:.1%} | {r['timeouts']} "
             f"| {r['tpf']:.2f} | {r['tps']:.1f} | {r['decode_tps']:.1f} | {times(r['speedup_vs_ar'])} "
-            f"| {times(r['speedup'])} | {r['exact']:.0%} |"
+            f"| {times(r['speedup'])} | {r['repetition']:.1%} | {r['exact']:.0%} |"
         )
     equal, total = all_exact(samples)
     verdict = "every one" if equal == total else f"NOT all: {total - equal} differ"

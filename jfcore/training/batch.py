@@ -43,6 +43,12 @@ class PackedBatch:
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
     pair_offsets: torch.Tensor  # [C] t - d_j: how far past its block's first wrong token the student's input reaches
     pair_targets: torch.Tensor  # [C] the fixed point's token the teacher's logit predicts (IGNORE: past the response)
+    # The clean stream alone (prompt, then each l_j's valid tokens), right-padded: what a frozen teacher reads with
+    # an ordinary causal mask (TrainConfig.teacher "frozen").
+    clean_ids: torch.Tensor  # [B, Lc] long
+    clean_position_ids: torch.Tensor  # [B, Lc] long
+    clean_attention: torch.Tensor  # [B, Lc] long: 1 for a token, 0 for padding
+    clean_index: torch.Tensor  # [B * L] long: a packed position's flat index into [B * Lc]; -1 off the clean stream
     tokens: int  # real (non-PAD) tokens: what tokens/s counts
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -58,6 +64,7 @@ class _Row:
     blocks: list[int]
     ar: list[tuple[int, int]]  # (position, target token)
     pairs: list[tuple[int, int, int, int]]  # (student position, teacher position, offset, fixed-point target)
+    clean: list[int]  # the clean stream's positions, in order
 
 
 def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: int | None) -> _Row:
@@ -97,7 +104,7 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: in
                 target = ids[clean_positions[after]] if after < len(clean_positions) else IGNORE
                 pairs.append((noisy + t, clean + t, t - mismatch[j], target))
         seen += valid[j]
-    return _Row(streams, blocks, ar, pairs)
+    return _Row(streams, blocks, ar, pairs, clean_positions)
 
 
 def collate(
@@ -111,6 +118,11 @@ def collate(
     pairs in L_AR too; `max_offset`: keep consistency pairs only that far past a block's first mismatch)."""
     layouts = [_layout(r, eos_token_id, ar_prompt, max_offset) for r in rows]
     B, L = len(rows), max(len(r["input_ids"]) for r in rows)
+    Lc = max(len(lay.clean) for lay in layouts)
+    clean_ids = torch.full((B, Lc), pad_token_id, dtype=torch.long)
+    clean_position_ids = torch.zeros((B, Lc), dtype=torch.long)
+    clean_attention = torch.zeros((B, Lc), dtype=torch.long)
+    clean_index = torch.full((B * L,), -1, dtype=torch.long)
     input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
@@ -122,6 +134,11 @@ def collate(
         position_ids[b, :width] = torch.tensor(row["position_ids"])
         streams[b, :width] = torch.tensor(lay.streams, dtype=torch.int8)
         blocks[b, :width] = torch.tensor(lay.blocks, dtype=torch.int32)
+        clean = torch.tensor(lay.clean, dtype=torch.long)
+        clean_ids[b, : len(clean)] = input_ids[b, clean]
+        clean_position_ids[b, : len(clean)] = position_ids[b, clean]
+        clean_attention[b, : len(clean)] = 1
+        clean_index[b * L + clean] = b * Lc + torch.arange(len(clean))
         ar_pos += [b * L + p for p, _ in lay.ar]
         ar_tgt += [t for _, t in lay.ar]
         student += [b * L + s for s, _, _, _ in lay.pairs]
@@ -142,5 +159,9 @@ def collate(
         pair_weights=torch.tensor(weights, dtype=torch.float32),
         pair_offsets=torch.tensor(offsets, dtype=torch.long),
         pair_targets=torch.tensor(targets, dtype=torch.long),
+        clean_ids=clean_ids,
+        clean_position_ids=clean_position_ids,
+        clean_attention=clean_attention,
+        clean_index=clean_index,
         tokens=int((streams != PAD).sum()),
     )

@@ -24,6 +24,7 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from jfcore.config import ConfigError, replace_checked, to_dict
 from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
+from jfcore.evaluation.repetition import repeated_share
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training import acceptance, checkpoints
 from jfcore.training.batch import collate
@@ -94,6 +95,7 @@ class Trainer:
     total: int  # optimizer steps of the whole run
     deepspeed_config: dict
     heldout: list[dict]  # the held-out packed rows acceptance is measured on (empty: not measured)
+    teacher: torch.nn.Module | None = None  # the frozen copy of the starting model (TrainConfig.teacher "frozen")
 
     @property
     def schedule(self) -> dict:
@@ -153,9 +155,17 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     scheduler = lr_scheduler(optimizer, config, total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    return Trainer(
-        config, engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config, heldout
-    )
+    teacher = frozen_teacher(config, device, bf16) if config.teacher == "frozen" else None
+    parts = (engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config, heldout)
+    return Trainer(config, *parts, teacher=teacher)
+
+
+def frozen_teacher(config: TrainConfig, device: torch.device, bf16: bool) -> torch.nn.Module:
+    """The starting model once more, frozen: it reads the clean stream alone, so the ordinary causal attention of
+    the architecture serves (sdpa), whatever the trained model's packed mask needs."""
+    model, _ = load_model(replace_checked(config.model, device=str(device), attn_implementation="sdpa"))
+    model.requires_grad_(False).eval()
+    return model.to(torch.bfloat16) if bf16 else model
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total: int):
@@ -195,7 +205,10 @@ def train_step(t: Trainer, step: int) -> dict:
         logits = engine(
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
         ).logits
-        losses = jacobi_forcing_loss(logits, batch, config.ar_weight, config.temperature, config.consistency_target)
+        frozen = _frozen_logits(t.teacher, batch) if t.teacher is not None else None
+        losses = jacobi_forcing_loss(
+            logits, batch, config.ar_weight, config.temperature, config.consistency_target, frozen
+        )
         engine.backward(losses.total)
         if micro == config.gradient_accumulation_steps - 1:
             own_norm = _plain_grad_norm(engine)
@@ -218,6 +231,16 @@ def train_step(t: Trainer, step: int) -> dict:
         "tokens_per_second": sums[3].item() / (time.perf_counter() - began),
         "tokens": int(sums[3].item()),
     }
+
+
+@torch.no_grad()
+def _frozen_logits(teacher: torch.nn.Module, batch) -> torch.Tensor:
+    return teacher(
+        input_ids=batch.clean_ids,
+        position_ids=batch.clean_position_ids,
+        attention_mask=batch.clean_attention,
+        use_cache=False,
+    ).logits
 
 
 def train(
@@ -342,6 +365,10 @@ def _decoded_check(t: Trainer, final: Path, simulated: dict, on_metrics: Callabl
     # was trained on (the trajectories' fixed points), a cheap sign of how far training moved the model's answers.
     same = sum(o == e.response[:tokens] for o, e in zip(out.sequences, examples))
     metrics["heldout/greedy_unchanged"] = same / len(examples)
+    # Text that drifted into loops drafts itself: its repetition beside the trained-on text's says whether a higher
+    # TPF came from drafting better or from repeating more (jfcore/evaluation/repetition.py).
+    metrics["heldout/repetition"] = sum(map(repeated_share, out.sequences)) / len(examples)
+    metrics["heldout/reference_repetition"] = sum(repeated_share(e.response[:tokens]) for e in examples) / len(examples)
     checkpoints.append_metrics(Path(t.config.output_dir), t.total, {"decoded": True, **metrics}, ACCEPTANCE)
     if on_metrics is not None:
         on_metrics(t.total, metrics)

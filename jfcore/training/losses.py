@@ -10,6 +10,11 @@ Reductions, made explicit because they change the effective weights:
 The teacher is the same forward's clean stream, detached: no gradient reaches it. With
 consistency_target "fixed_point" the student learns instead the fixed point's token that teacher
 logit predicts (hard cross-entropy, same pair weights; a pair past the response's end adds 0).
+
+With a frozen teacher (TrainConfig.teacher "frozen", docs/TRAINING.md "Losses") the soft targets are the logits of a
+frozen copy of the starting model reading the clean stream (`frozen`, flat over [B * Lc]) instead: L_pc's teacher
+logits, and L_AR becomes KL(frozen || model) over the same positions, which is 0 where the model still predicts
+what it did and, unlike cross-entropy on the greedy tokens, never rewards sharpening its own text.
 """
 
 from __future__ import annotations
@@ -30,15 +35,23 @@ class Losses:
     consistency: torch.Tensor
 
 
-def ar_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def ar_loss(logits: torch.Tensor, batch: PackedBatch, frozen: torch.Tensor | None = None) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     if batch.ar_positions.numel() == 0:
         return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
-    return F.cross_entropy(flat[batch.ar_positions].float(), batch.ar_targets)
+    student = flat[batch.ar_positions].float()
+    if frozen is None:
+        return F.cross_entropy(student, batch.ar_targets)
+    teacher = F.log_softmax(frozen[batch.clean_index[batch.ar_positions]].detach().float(), dim=-1)
+    return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
 
 
 def consistency_loss(
-    logits: torch.Tensor, batch: PackedBatch, temperature: float, target: ConsistencyTarget = "clean"
+    logits: torch.Tensor,
+    batch: PackedBatch,
+    temperature: float,
+    target: ConsistencyTarget = "clean",
+    frozen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     if batch.student_positions.numel() == 0:
@@ -48,7 +61,8 @@ def consistency_loss(
         targets = batch.pair_targets.to(flat.device)
         per_pair = F.cross_entropy(student, targets, ignore_index=IGNORE, reduction="none")
     else:
-        teacher = F.softmax(flat[batch.teacher_positions].detach().float() / temperature, dim=-1)
+        source = flat[batch.teacher_positions] if frozen is None else frozen[batch.clean_index[batch.teacher_positions]]
+        teacher = F.softmax(source.detach().float() / temperature, dim=-1)
         per_pair = -(teacher * F.log_softmax(student / temperature, dim=-1)).sum(-1) * temperature**2
     return (per_pair * batch.pair_weights.to(per_pair.device)).sum()
 
@@ -59,7 +73,11 @@ def jacobi_forcing_loss(
     ar_weight: float,
     temperature: float,
     target: ConsistencyTarget = "clean",
+    frozen: torch.Tensor | None = None,
 ) -> Losses:
-    ar = ar_loss(logits, batch)
-    pc = consistency_loss(logits, batch, temperature, target)
+    """`frozen`: a frozen teacher's logits over the clean stream ([B, Lc, V] or flat), or None: the model's own."""
+    if frozen is not None:
+        frozen = frozen.reshape(-1, frozen.shape[-1])
+    ar = ar_loss(logits, batch, frozen)
+    pc = consistency_loss(logits, batch, temperature, target, frozen)
     return Losses(total=pc + ar_weight * ar, ar=ar.detach(), consistency=pc.detach())

@@ -158,6 +158,7 @@ def test_acceptance_is_measured_on_the_heldout_prompts_and_logged(setup, uninter
     assert {f"heldout/decoded_tpf_n{n}" for n in (2, 4)} <= set(decoded) and 0 <= decoded[
         "heldout/greedy_unchanged"
     ] <= 1
+    assert all(0 <= decoded[f"heldout/{k}repetition"] <= 1 for k in ("", "reference_"))
     mlflow = client(tracking(setup, "whole"))
     history = mlflow.get_metric_history(uninterrupted.mlflow_run_id, "heldout/simulated_tpf_n4")
     assert sorted((m.step, m.value) for m in history) == [
@@ -378,6 +379,18 @@ def test_every_shipped_deepspeed_config_trains_and_exports(setup, uninterrupted,
     assert records[0]["loss"] == pytest.approx(first["loss"], rel=1e-5)
     assert records[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4)
     assert AutoModelForCausalLM.from_pretrained(result.final).num_parameters() > 0
+
+
+def test_a_frozen_teacher_starts_at_zero_kl_with_the_models_own_consistency_targets(setup, uninterrupted):
+    """Before its first update the model is its frozen teacher: KL 0, and the same consistency loss as the run whose
+    teacher is the model's own clean stream (float32). After updates the model drifts from it and L_AR shows it."""
+    train = config(setup, "frozen", teacher="frozen", ar_weight=1.0, max_steps=4, acceptance=AcceptanceConfig(every=0))
+    run_training(train, LAUNCH, log=lambda line: None)
+    records, own = curve(train.output_dir), curve(Path(uninterrupted.folder))[0]
+    assert records[0]["ar_loss"] < 1e-5 < own["ar_loss"]
+    assert records[0]["consistency_loss"] == pytest.approx(own["consistency_loss"], rel=1e-4)
+    assert records[1]["ar_loss"] < 1e-5  # step 1 ran at the warmup's rate 0
+    assert all(r["ar_loss"] > 1e-4 for r in records[2:])
 
 
 def test_lora_trains_adapters_only_and_exports_a_merged_plain_checkpoint(setup):

@@ -225,7 +225,7 @@ def test_linear_ways_kernels_times_each_c_kernel_and_leaves_the_hosts_in_use(tin
 
 
 def test_text_repetition_counts_the_4grams_a_completion_repeats():
-    from bench.text_repetition import repeated_share
+    from jfcore.evaluation.repetition import repeated_share
 
     assert repeated_share([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5  # the last 4-gram is the first again
     assert repeated_share([7] * 10) == 6 / 7  # a loop: every 4-gram after the first

@@ -12,8 +12,9 @@ from jfcore.evaluation.config import EvalConfig
 from jfcore.evaluation.report import REPORT_FILES, markdown_table, summarize, write_report
 
 
-def sample(benchmark, model, method, tokens, forwards, prefill, decode, correct, exact=True, verdict=None):
+def sample(benchmark, model, method, tokens, forwards, prefill, decode, correct, exact=True, verdict=None, ids=None):
     return {
+        "tokens": list(range(tokens)) if ids is None else ids,  # fresh text unless given: no repeated 4-gram
         "benchmark": benchmark,
         "problem_id": "p",
         "model": model,
@@ -100,12 +101,23 @@ def test_speedup_vs_ar_is_over_the_same_models_own_ar_on_the_same_benchmark():
     assert row(table, "all", "base", "jacobi")["speedup_vs_ar"] == pytest.approx((80 / 13.5) / (40 / 10))
 
 
+def test_repetition_is_the_mean_share_of_tokens_closing_a_4gram_the_completion_held():
+    loop = [5, 6, 7, 8] * 4  # 16 tokens, 13 4-grams: all but the first 4 close one seen before
+    samples = [
+        sample("gsm8k", "trained", "hf_greedy", 16, 15, 0.0, 1.0, False, ids=loop),
+        sample("gsm8k", "trained", "hf_greedy", 16, 15, 0.0, 1.0, False),  # fresh text
+    ]
+    assert row(summarize(samples, "trained"), "gsm8k", "trained", "hf_greedy")["repetition"] == pytest.approx(
+        (9 / 13 + 0) / 2
+    )
+
+
 def test_markdown_says_whether_every_output_equals_greedy():
     table = summarize(SAMPLES, baseline="base")
     text = markdown_table(table, SAMPLES, "base")
-    assert "| vs own AR | vs base HF greedy | = HF greedy |" in text
-    assert "| gsm8k | base | jacobi | 2 | 50.0% | 0 | 2.50 | 4.7 | 6.2 | - | 1.76x | 50% |" in text
-    assert "| mbpp | base | jacobi | 2 | 50.0% | 1 | 5.00 | 8.0 | 13.3 | - | 4.00x | 100% |" in text
+    assert "| vs own AR | vs base HF greedy | repeated 4-grams | = HF greedy |" in text
+    assert "| gsm8k | base | jacobi | 2 | 50.0% | 0 | 2.50 | 4.7 | 6.2 | - | 1.76x | 0.0% | 50% |" in text
+    assert "| mbpp | base | jacobi | 2 | 50.0% | 1 | 5.00 | 8.0 | 13.3 | - | 4.00x | 0.0% | 100% |" in text
     assert "3/4 outputs identical (NOT all: 1 differ)" in text
     exact = [dict(s, exact=True) for s in SAMPLES]
     assert "4/4 outputs identical (every one)" in markdown_table(summarize(exact, "base"), exact, "base")

@@ -15,10 +15,14 @@ from tasks.registry import GateConfig, decide
 from tests.support.tiny_models import save_tiny_checkpoint
 
 
-def rows(model: str, method: str, tokens: int, round_seconds: list[list[float]], solved: list[bool]) -> list[dict]:
-    """One sample per problem: `round_seconds[p]` is problem p's seconds per timing round (prefill 0)."""
+def rows(
+    model: str, method: str, tokens: int, round_seconds: list[list[float]], solved: list[bool], loop: int = 0
+) -> list[dict]:
+    """One sample per problem: `round_seconds[p]` is problem p's seconds per timing round (prefill 0); the text is
+    fresh, or with `loop` a loop of that many distinct tokens."""
     return [
         {
+            "tokens": [t % loop for t in range(tokens)] if loop else list(range(tokens)),
             "benchmark": "gsm8k",
             "problem_id": f"p{p}",
             "model": model,
@@ -85,6 +89,21 @@ def test_accuracy_and_a_single_round_and_the_champion():
     samples += rows("trained", "tuned", 10, [[0.5, 0.5, 0.5]] * 2, [True, False])
     passed, reason = decide(summarize(samples, "base"), GateConfig(), "v3", True)
     assert not passed and "vs champion v3's tuned" in reason and "speed 0.800x" in reason
+
+
+def test_a_model_whose_text_repeats_itself_more_than_the_bars_is_not_promoted():
+    faster = [[0.5, 0.5, 0.5]] * 2
+    samples = rows("base", "hf_greedy", 10, [[2.0], [2.0]], [True, False])
+    samples += rows("base", "tuned", 10, [[1.0, 1.0, 1.0]] * 2, [True, False])
+    samples += rows("trained", "tuned", 10, faster, [True, False], loop=2)  # 2-token loops: 5 of 7 4-grams repeat
+    t = summarize(samples, "base")
+    passed, reason = decide(t, GateConfig(), None, True)
+    assert not passed and reason.startswith("repeats itself more: ")
+    assert "repeated 4-grams 71.4% vs 0.0% (allowed rise 10.0 points)" in reason
+    assert decide(t, GateConfig(max_repetition_gain=0.9), None, True)[0]
+    assert decide(t, GateConfig(max_repetition_gain=None), None, True)[0]
+    with pytest.raises(ConfigError, match="gate.max_repetition_gain: must be >= 0"):
+        from_dict(GateConfig, {"max_repetition_gain": -0.1}, "registry")
 
 
 def test_gate_config_needs_rounds_for_a_spread():

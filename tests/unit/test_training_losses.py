@@ -134,3 +134,45 @@ def test_fixed_point_targets_are_the_next_clean_tokens_and_the_loss_scores_them(
     loss.backward()  # the student logits get the gradient; no teacher logit does (there is none)
     teacher_grad = logits.grad.reshape(-1, V)[batch.teacher_positions]
     assert torch.count_nonzero(teacher_grad) == 0 and torch.count_nonzero(logits.grad) > 0
+
+
+def test_a_frozen_teacher_scores_the_clean_stream_by_kl_and_teaches_the_noisy_logits():
+    # Two rows of different lengths: the clean stream is right-padded, and each packed clean position maps to its
+    # place in it. Row 0: prompt 0..1, k_0 2..4, l_0 5..7. Row 1: prompt 0, k_0 1..3, l_0 4..6 (n = 3, one slot
+    # of each padding).
+    r0 = packed_row([1, 10], [([9, 9, 9], [4, 5, 6])], mismatch=[1], n=3)
+    r1 = packed_row([1], [([9, 9], [7, 3])], mismatch=[0], n=3)
+    batch = collate([r0, r1], PADID, EOS, ar_prompt=False)
+    assert batch.clean_ids.tolist() == [[1, 10, 4, 5, 6], [1, 7, 3, PADID, PADID]]
+    assert batch.clean_attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert batch.clean_position_ids.tolist()[0] == [0, 1, 2, 3, 4]
+    L, Lc = batch.input_ids.shape[1], batch.clean_ids.shape[1]
+    assert batch.clean_index[[0, 1, 5, 6, 7]].tolist() == [0, 1, 2, 3, 4]
+    assert batch.clean_index[[L + 0, L + 4, L + 5]].tolist() == [Lc + 0, Lc + 1, Lc + 2]
+    assert batch.clean_index[[2, 3, 4, L + 1, L + 6]].tolist() == [-1] * 5  # noisy and padding slots
+
+    logits = leaf_logits(batch, seed=3)
+    torch.manual_seed(4)
+    frozen = torch.randn(2, Lc, V, requires_grad=True)  # to show no gradient reaches it
+    losses = jacobi_forcing_loss(logits, batch, ar_weight=2.0, temperature=1.0, frozen=frozen)
+    flat, teacher = logits.reshape(-1, V), frozen.detach().reshape(-1, V)
+
+    def kl(student, target):  # KL(softmax(target) || softmax(student))
+        p = F.log_softmax(teacher[target], -1)
+        return (p.exp() * (p - F.log_softmax(flat[student], -1))).sum()
+
+    ar_pairs = [(1, 1), (5, 2), (6, 3), (L + 0, Lc + 0), (L + 4, Lc + 1)]  # (packed logit, clean-stream logit)
+    assert batch.ar_positions.tolist() == [s for s, _ in ar_pairs]
+    torch.testing.assert_close(losses.ar, (sum(kl(s, c) for s, c in ar_pairs) / len(ar_pairs)).detach())
+    # Consistency: the students learn the frozen teacher's clean logits, not this forward's.
+    pairs = [(3, 3), (4, 4), (L + 1, Lc + 1), (L + 2, Lc + 2)]  # row 0 from offset 1; row 1 from 0
+    assert batch.student_positions.tolist() == [s for s, _ in pairs]
+
+    def soft_ce(student, target):
+        return -(F.softmax(teacher[target], -1) * F.log_softmax(flat[student], -1)).sum()
+
+    expected = sum(w * soft_ce(s, c) for (s, c), w in zip(pairs, batch.pair_weights))
+    torch.testing.assert_close(losses.consistency, expected.detach())
+    assert not torch.allclose(losses.consistency, consistency_loss(logits, batch, 1.0))
+    losses.total.backward()
+    assert frozen.grad is None and torch.count_nonzero(logits.grad) > 0

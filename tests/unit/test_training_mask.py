@@ -7,7 +7,18 @@ import random
 import pytest
 import torch
 
-from jfcore.training import CLEAN, NOISY, PAD, PROMPT, allowed, attention_mask, block_mask, collate, dense_mask
+from jfcore.training import (
+    CLEAN,
+    NOISY,
+    PAD,
+    PROMPT,
+    allowed,
+    attention_mask,
+    block_mask,
+    collate,
+    dense_mask,
+    jacobi_forcing_loss,
+)
 from tests.support.tiny_models import VOCAB, tiny_model
 
 N = 4
@@ -155,3 +166,26 @@ def test_flex_attention_forward_equals_plain_forwards():
 def test_flash_attention_is_refused_with_a_hint():
     with pytest.raises(ValueError, match="flex_attention"):
         attention_mask(torch.zeros(1, 4, dtype=torch.int8), "flash_attention_2", torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_frozen_copy_reading_the_clean_stream_predicts_what_the_packed_clean_stream_does(arch):
+    """What a frozen teacher sees (the clean stream alone, causal) is what the packed forward's clean stream sees, so
+    with the starting model as its own frozen teacher the KL term is 0 and the consistency targets are unchanged."""
+    model = tiny_model(arch, seed=5)
+    specs = [(5, [N, N, 2]), (9, [N]), (3, [N, 1])]
+    rows = [packed_row(seed=20 + i, P=P, valid=v)[0] for i, (P, v) in enumerate(specs)]
+    batch = collate(rows, pad_token_id=0, eos_token_id=None)
+    packed, _ = packed_logits(model, rows)
+    with torch.no_grad():
+        frozen = model(
+            input_ids=batch.clean_ids, position_ids=batch.clean_position_ids, attention_mask=batch.clean_attention
+        ).logits
+    on_clean = batch.clean_index >= 0
+    assert on_clean.sum() == ((batch.streams == PROMPT) | (batch.streams == CLEAN)).sum()
+    flat_packed, flat_frozen = packed.reshape(-1, packed.shape[-1]), frozen.reshape(-1, frozen.shape[-1])
+    torch.testing.assert_close(flat_frozen[batch.clean_index[on_clean]], flat_packed[on_clean], atol=1e-5, rtol=1e-5)
+    own = jacobi_forcing_loss(packed, batch, ar_weight=1.0, temperature=1.0)
+    taught = jacobi_forcing_loss(packed, batch, ar_weight=1.0, temperature=1.0, frozen=frozen)
+    assert taught.ar.abs() < 1e-5 < own.ar
+    torch.testing.assert_close(taught.consistency, own.consistency, atol=1e-5, rtol=1e-5)
