@@ -70,7 +70,17 @@ REPORT = "report"  # in an evaluation run folder: results.md, results.json, samp
 
 # Labels on results: the pooled benchmark's name in results tables, metric names, MLflow tags.
 ALL = "all"  # the benchmark label of the rows that pool every benchmark
-TABLE_METRICS = ("accuracy", "timeouts", "tpf", "tps", "decode_tps", "speedup_vs_ar", "speedup", "exact")  # per row
+TABLE_METRICS = (  # per row
+    "accuracy",
+    "timeouts",
+    "tpf",
+    "tps",
+    "decode_tps",
+    "speedup_vs_ar",
+    "speedup",
+    "repetition",
+    "exact",
+)
 # A checkpoint's LoggedModel metrics (name -> table column), under its headline decoding method, per benchmark.
 MODEL_METRICS = {
     "accuracy": "accuracy",
@@ -78,6 +88,7 @@ MODEL_METRICS = {
     "tokens_per_s": "tps",
     "speedup_vs_ar": "speedup_vs_ar",
     "speedup": "speedup",
+    "repetition": "repetition",  # a rise inflates TPF: loops draft themselves (jfcore/evaluation/repetition.py)
 }
 TAG = "jacobi_forcing."  # every MLflow tag the pipeline sets starts with it
 STAGE_TAG = TAG + "stage"  # a stage's run: its stage name
