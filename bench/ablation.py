@@ -9,8 +9,8 @@ A variant is a list of `--set` overrides of the recipe. Every variant runs in th
 flow (trajectories -> packing -> training), so variants with the same trajectory settings share one trajectory
 store, and a finished variant is reused: a rerun runs only what is missing. `--set` applies to every variant.
 Writes `<out>/ablation.json`, `ablation.md` (one row per variant: training tokens and minutes, the final simulated
-and decoded TPF at each block size, noisy accuracy, the share of held-out answers left unchanged) and
-`ablation.png` (simulated TPF against training tokens, one line per variant).
+and decoded TPF at each block size, noisy accuracy, the share of held-out answers left unchanged, their repetition
+beside the trajectories') and `ablation.png` (simulated TPF against training tokens, one line per variant).
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
     head = ["variant", "what", "training tokens", "minutes"]
     head += [f"simulated n{n}" for n in block_sizes] + [f"decoded n{n}" for n in block_sizes]
     head += [f"rolling n{n}" for n in block_sizes] + [f"multiblock n{n}" for n in block_sizes]
-    head += ["noisy accuracy", "at offset 0", "answers unchanged", f"tokens to TPF {TARGET} at n8 (fit)"]
+    head += ["noisy accuracy", "at offset 0", "answers unchanged", "repetition (trajectories')"]
+    head += [f"tokens to TPF {TARGET} at n8 (fit)"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for name, r in results.items():
         f = r["final"]
@@ -219,6 +220,8 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
         cells += [cell(f"heldout/decoded_tpf_n{n}") for n in block_sizes]
         cells += [cell(f"heldout/decoded_{kind}_tpf_n{n}") for kind in ("rolling", "multiblock") for n in block_sizes]
         cells += [cell("heldout/noisy_accuracy"), cell("heldout/noisy_accuracy_at_0"), cell("heldout/greedy_unchanged")]
+        both = "heldout/repetition" in f and "heldout/reference_repetition" in f
+        cells.append(f"{cell('heldout/repetition')} ({cell('heldout/reference_repetition')})" if both else "-")
         reach = tokens_to_reach(r["curve"], 8, TARGET) if 8 in block_sizes else None
         cells.append("- (flat)" if reach is None or reach > 1e12 else f"{reach:.2g}")
         lines.append("| " + " | ".join(cells) + " |")
