@@ -142,7 +142,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         "recipe-2h's objective at n = 16 (256 prompts), 200 steps",
     ),
     # The objective's teacher: a frozen copy of the starting model instead of the model's own clean logits, with
-    # L_AR as KL to it (training.teacher), which holds the text where cross-entropy on the greedy tokens sharpens it.
+    # L_AR as KL to it (training.teacher). Meant to hold the text; it did not
+    # (bench/published/frozen-teacher-cpu-2026-12-05). The lambda 0.1 one has not run.
     "block-8-recipe+frozen": (
         [*RECIPE_256, "training.teacher=frozen", "training.ar_weight=1"],
         "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 1",

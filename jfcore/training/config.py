@@ -83,8 +83,8 @@ class TrainConfig:
     consistency_target: ConsistencyTarget = "clean"
     # Whose clean logits the soft targets are: this forward's own ("self", the published objective: L_AR is
     # cross-entropy on the fixed points' tokens), or a frozen copy of the starting model reading the clean stream
-    # ("frozen": it is L_pc's teacher and L_AR becomes KL(frozen || model), which holds the model's distribution
-    # where cross-entropy on its greedy text sharpens it; one more forward per micro batch, no backward).
+    # ("frozen": it is L_pc's teacher and L_AR becomes KL(frozen || model), 0 until the model drifts; one more
+    # forward per micro batch, no backward). Measured, the text still drifts through L_pc (docs/TRAINING.md).
     teacher: Literal["self", "frozen"] = "self"
     # Score only consistency pairs at offsets 0 .. k-1 past a block's first wrong token (None: all). The far ones
     # ask for a token after several wrong ones, which natural text rarely allows, and they are most of the pairs.
