@@ -245,3 +245,18 @@ def test_own_drafts_counts_every_family_and_checks_it_against_ar(tiny, capsys):
     assert (beside.lookup_tokens, beside.lookup_within, beside.rolling) == (2, False, False)
     with pytest.raises(SystemExit, match="FAMILY:N"):
         own_drafts.draft_config("lookahead:4", 12)
+
+
+def test_copy_targets_pairs_each_noisy_prefix_with_the_next_fixed_point_token():
+    from bench.copy_targets import block_pairs
+    from tests.support.training_data import packed_row
+
+    # Block 0 wrong from offset 1, block 1 from offset 0; the last clean token has no next token to predict.
+    row = packed_row([1, 2], [([3, 5, 9], [3, 4, 5]), ([6, 6, 9], [6, 7, 8])], mismatch=[1, 0], n=3)
+    assert list(block_pairs(row, None)) == [
+        ([3, 5], [3, 4], 5),  # the target 5 is already in the noisy block: a copy
+        ([3, 5, 9], [3, 4, 5], 6),  # the bridge into block 1
+        ([6], [6], 7),
+        ([6, 6], [6, 7], 8),
+    ]
+    assert [p[2] for p in block_pairs(row, 1)] == [5, 7]  # offset 0 past each block's first mismatch only
