@@ -260,3 +260,29 @@ def test_copy_targets_pairs_each_noisy_prefix_with_the_next_fixed_point_token():
         ([6, 6], [6, 7], 8),
     ]
     assert [p[2] for p in block_pairs(row, 1)] == [5, 7]  # offset 0 past each block's first mismatch only
+
+
+def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_sees_sharpening(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from bench import confidence_probe
+    from jfcore.packing import PackingConfig
+    from tests.support.training_data import packed_data
+
+    base = save_tiny_checkpoint(tmp_path / "base", initializer_range=0.3)
+    packing = packed_data(base, tmp_path, prompts=12, heldout=PackingConfig(heldout_fraction=0.5, heldout_seed=1))
+    sharper = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():  # logits twice as large: the same argmax, a sharper distribution
+        sharper.lm_head.weight.mul_(2.0)
+    sharper.save_pretrained(tmp_path / "sharper")
+    (tmp_path / "sharper" / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
+    out = tmp_path / "probe.json"
+    confidence_probe.main([str(packing), f"base={base}", f"sharper={tmp_path / 'sharper'}", "--out", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["base"]["tokens"] > 0
+    assert figures["base"]["argmax_is_the_text"] == 1.0  # trajectories end at the model's own greedy text
+    assert figures["sharper"]["argmax_is_the_text"] == 1.0
+    assert figures["sharper"]["mean_top1_prob"] > figures["base"]["mean_top1_prob"]
+    assert figures["sharper"]["mean_entropy"] < figures["base"]["mean_entropy"]
