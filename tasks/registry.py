@@ -130,18 +130,28 @@ def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: b
         )
     else:
         exact, exact_note = new["exact"] == 1.0, f"{new['exact']:.0%} of outputs equal greedy"
-    rise, allowed = new["repetition"] - bar["repetition"], gate.max_repetition_gain
-    fluent = allowed is None or rise <= allowed
-    repetition = f"repeated 4-grams {new['repetition']:.1%} vs {bar['repetition']:.1%} " + (
-        "(unchecked)" if allowed is None else f"(allowed rise {100 * allowed:.1f} points)"
-    )
+    allowed = gate.max_repetition_gain
+    measured_repetition = "repetition" in new and "repetition" in bar  # not in a table from before the column
+    if not measured_repetition:
+        fluent = allowed is None
+        repetition = (
+            "repetition unmeasured (unchecked)"
+            if allowed is None
+            else "repetition unmeasured: the evaluation predates it (evaluate again, or set "
+            "registry.max_repetition_gain: null)"
+        )
+    else:
+        fluent = allowed is None or new["repetition"] - bar["repetition"] <= allowed
+        repetition = f"repeated 4-grams {new['repetition']:.1%} vs {bar['repetition']:.1%} " + (
+            "(unchecked)" if allowed is None else f"(allowed rise {100 * allowed:.1f} points)"
+        )
     failed = [
         what
         for what, ok in (
             ("accuracy fell too far", accurate),
             ("not faster", faster),
             ("not exact", exact),
-            ("repeats itself more", fluent),
+            ("repeats itself more" if measured_repetition else "repetition unmeasured", fluent),
         )
         if not ok
     ]
@@ -177,7 +187,7 @@ def promote(
         GATE_FIGURES_TAG + "speedup": new["speedup"],
         GATE_FIGURES_TAG + "tpf": new["tpf"],
         GATE_FIGURES_TAG + "exact": new["exact"],
-        GATE_FIGURES_TAG + "repetition": new["repetition"],
+        GATE_FIGURES_TAG + "repetition": new.get("repetition"),
         GATE_DECISION_TAG: PROMOTED if passed else REJECTED,
         GATE_REASON_TAG: reason,
     }

@@ -102,6 +102,11 @@ def test_a_model_whose_text_repeats_itself_more_than_the_bars_is_not_promoted():
     assert "repeated 4-grams 71.4% vs 0.0% (allowed rise 10.0 points)" in reason
     assert decide(t, GateConfig(max_repetition_gain=0.9), None, True)[0]
     assert decide(t, GateConfig(max_repetition_gain=None), None, True)[0]
+    # A table made before repetition was measured cannot show it: refused unless the check is off.
+    old = [{k: v for k, v in row.items() if k != "repetition"} for row in t]
+    passed, reason = decide(old, GateConfig(), None, True)
+    assert not passed and reason.startswith("repetition unmeasured: ") and "the evaluation predates it" in reason
+    assert decide(old, GateConfig(max_repetition_gain=None), None, True)[0]
     with pytest.raises(ConfigError, match="gate.max_repetition_gain: must be >= 0"):
         from_dict(GateConfig, {"max_repetition_gain": -0.1}, "registry")
 
