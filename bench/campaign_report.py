@@ -43,6 +43,7 @@ from jfcore.contracts import (
     TRAJECTORIES,
 )
 from jfcore.environment import cpu_model, usable_cores
+from jfcore.evaluation.report import COLUMNS
 from jfcore.training.checkpoints import read_metrics
 from tasks.plan import StagePlan
 from tasks.trajectories import newest_selection
@@ -101,19 +102,7 @@ def curve_rows(recipe: Recipe, curve: dict, training: dict) -> list[dict]:
 
 
 def _cells(row: dict) -> dict:
-    keys = (
-        "benchmark",
-        "method",
-        "samples",
-        "accuracy",
-        "timeouts",
-        "tpf",
-        "tps",
-        "speedup_vs_ar",
-        "speedup",
-        "repetition",
-        "exact",
-    )
+    keys = [c for c in COLUMNS if c not in ("model", "decode_tps")]
     return {k: row.get(k) for k in keys}
 
 

@@ -22,25 +22,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from statistics import mean
 
-from jfcore.contracts import ALL
+from jfcore.contracts import ALL, TABLE_METRICS
 from jfcore.evaluation.config import REFERENCE, SAME_ENGINE_AR
 from jfcore.evaluation.repetition import repeated_share
 
-COLUMNS = (
-    "benchmark",
-    "model",
-    "method",
-    "samples",
-    "accuracy",
-    "timeouts",
-    "tpf",
-    "tps",
-    "decode_tps",
-    "speedup_vs_ar",
-    "speedup",
-    "repetition",
-    "exact",
-)
+COLUMNS = ("benchmark", "model", "method", "samples", *TABLE_METRICS)  # a results table row's figures, in order
 
 
 def summarize(samples: Sequence[dict], baseline: str) -> list[dict]:
