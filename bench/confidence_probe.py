@@ -21,13 +21,13 @@ import torch
 
 from jfcore.contracts import HELDOUT
 from jfcore.models import ModelConfig, load_model
+from jfcore.training.batch import clean_stream
 
 
 def prompt_and_response(row: dict) -> tuple[list[int], list[int]]:
-    """A packed row's prompt and its fixed points' tokens, block after block (jfcore.training.batch's layout)."""
-    ids, P, n = row["input_ids"], row["prompt_length"], row["block_size"]
-    response = [ids[P + (2 * j + 1) * n + t] for j, m in enumerate(row["valid_lengths"]) for t in range(m)]
-    return ids[:P], response
+    """A packed row's prompt and its fixed points' tokens, block after block: the clean stream training reads."""
+    clean = clean_stream(row)
+    return clean[: row["prompt_length"]], clean[row["prompt_length"] :]
 
 
 @torch.no_grad()

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from jfcore.training.batch import clean_stream
+
 
 def block_pairs(row: dict, max_offset: int | None):
     """(noisy tokens the student sees, clean tokens before the same position, target) for each consistency pair of
     a packed row, in the layout of jfcore.training.batch (offsets from the block's first mismatch; targets past the
     response's end dropped)."""
     ids, P, n = row["input_ids"], row["prompt_length"], row["block_size"]
-    clean = [ids[P + (2 * j + 1) * n + t] for j, m in enumerate(row["valid_lengths"]) for t in range(m)]
+    clean = clean_stream(row)[P:]
     seen = 0
     for j, (d, m) in enumerate(zip(row["first_mismatch"], row["valid_lengths"])):
         noisy = ids[P + 2 * j * n : P + 2 * j * n + m]

@@ -107,6 +107,11 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: in
     return _Row(streams, blocks, ar, pairs, clean_positions)
 
 
+def clean_stream(row: dict) -> list[int]:
+    """A packed row's clean stream: its prompt, then each fixed-point block's valid tokens."""
+    return [row["input_ids"][p] for p in _layout(row, None, False, None).clean]
+
+
 def collate(
     rows: Sequence[dict],
     pad_token_id: int,
