@@ -152,6 +152,11 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_256, "training.teacher=frozen"],
         "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 0.1",
     ),
+    # Can a firmer hold on the frozen teacher keep the text, and what do the drafts pay for it?
+    "block-8-recipe+frozen-10": (
+        [*RECIPE_256, "training.teacher=frozen", "training.ar_weight=10"],
+        "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 10",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

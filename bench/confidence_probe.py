@@ -1,6 +1,8 @@
 """How training changed a model on the text it was trained from: each model reads the held-out prompts with their
 trajectories' responses (the starting model's greedy text) and we count, per response token, its top-1
 probability, its entropy, the text's negative log-likelihood and how often its argmax is still the text's token.
+It also asks whether a model copies from what it has read: at each token, prompt lookup's candidate (the token that
+followed the latest earlier occurrence of the context's last 1-3 tokens) against the model's argmax and the text.
 
     python -m bench.confidence_probe runs/ablation/packing/<key> \
         base=smollm2-135m-instruct trained=runs/ablation/training/<key>/final
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from jfcore.contracts import HELDOUT
+from jfcore.decoding.candidates.lookup import PromptLookup
 from jfcore.models import ModelConfig, load_model
 from jfcore.training.batch import clean_stream
 
@@ -30,25 +33,63 @@ def prompt_and_response(row: dict) -> tuple[list[int], list[int]]:
     return clean[: row["prompt_length"]], clean[row["prompt_length"] :]
 
 
+LOOKUP_NGRAM = 3  # the decoder's default prompt lookup match length (DecodeConfig.lookup_ngram)
+
+
+def lookup_candidates(prompt: list[int], response: list[int]) -> list[int]:
+    """For each response token, the token prompt lookup would copy in its place from the text before it, or -1
+    where no suffix of that text occurred earlier."""
+    lookup = PromptLookup(LOOKUP_NGRAM, 1, prompt[:-1])
+    candidates, last = [], prompt[-1]
+    for token in response:
+        candidates.append((lookup.propose(last, 1) or [-1])[0])
+        lookup.extend([last])
+        last = token
+    return candidates
+
+
 @torch.no_grad()
 def probe(model, rows: list[dict]) -> dict:
     top1 = entropy = nll = agree = count = 0.0
+    with_candidate = argmax_copies = wrong_candidates = wrong_candidate_prob = wrong_off_text = 0.0
+    departures = departures_copy = 0.0
     for row in rows:
         prompt, response = prompt_and_response(row)
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1)
-        target = torch.tensor(response)
+        target, argmax = torch.tensor(response), logp.argmax(-1)
         top1 += logp.max(-1).values.exp().sum().item()
         entropy += -(logp.exp() * logp).sum().item()
         nll += -logp[torch.arange(len(response)), target].sum().item()
-        agree += (logp.argmax(-1) == target).sum().item()
+        agree += (argmax == target).sum().item()
         count += len(response)
+        candidate = torch.tensor(lookup_candidates(prompt, response))
+        has = candidate >= 0
+        wrong = has & (candidate != target)
+        departed = argmax != target
+        with_candidate += has.sum().item()
+        argmax_copies += (has & (argmax == candidate)).sum().item()
+        wrong_candidates += wrong.sum().item()
+        at = wrong.nonzero()[:, 0]
+        wrong_candidate_prob += logp[at, candidate[wrong]].exp().sum().item()
+        wrong_off_text += (1 - logp[at, target[wrong]].exp()).sum().item()
+        departures += departed.sum().item()
+        departures_copy += (departed & has & (argmax == candidate)).sum().item()
     return {
         "tokens": int(count),
         "mean_top1_prob": top1 / count,
         "mean_entropy": entropy / count,
         "nll_of_the_text": nll / count,
         "argmax_is_the_text": agree / count,
+        # Copying: over the tokens with a lookup candidate, how often the argmax is that candidate; where the
+        # candidate is not the text's token, its mean probability and its share of the probability kept off the
+        # text's token; and, of the tokens where the argmax left the text, the share that left it for the candidate.
+        "tokens_with_a_lookup_candidate": int(with_candidate),
+        "argmax_is_the_lookup": argmax_copies / max(with_candidate, 1),
+        "wrong_lookup_prob": wrong_candidate_prob / max(wrong_candidates, 1),
+        "wrong_lookup_share_of_error": wrong_candidate_prob / max(wrong_off_text, 1e-9),
+        "departures": int(departures),
+        "departures_to_the_lookup": departures_copy / departures if departures else None,
     }
 
 
@@ -68,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         label, _, path = spec.partition("=")
         model, _ = load_model(ModelConfig(name_or_path=path or label))
         results[label] = probe(model.eval(), rows)
-        print(label, json.dumps({k: round(v, 4) for k, v in results[label].items()}), flush=True)
+        print(label, json.dumps({k: v if v is None else round(v, 4) for k, v in results[label].items()}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"packing": str(args.packing), "models": args.models, **results}, indent=1))
 

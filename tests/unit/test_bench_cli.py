@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -286,3 +287,18 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     assert figures["sharper"]["argmax_is_the_text"] == 1.0
     assert figures["sharper"]["mean_top1_prob"] > figures["base"]["mean_top1_prob"]
     assert figures["sharper"]["mean_entropy"] < figures["base"]["mean_entropy"]
+    # The base model never leaves its own text, so its argmax is the lookup candidate exactly where the text is.
+    rows = [r for f in sorted((packing / "heldout").glob("*.parquet")) for r in pq.read_table(f).to_pylist()][:16]
+    texts = [confidence_probe.prompt_and_response(r) for r in rows]
+    pairs = [(c, t) for p, r in texts for c, t in zip(confidence_probe.lookup_candidates(p, r), r) if c >= 0]
+    assert figures["base"]["tokens_with_a_lookup_candidate"] == len(pairs) > 0
+    assert figures["base"]["argmax_is_the_lookup"] == pytest.approx(sum(c == t for c, t in pairs) / len(pairs))
+    assert (figures["base"]["departures"], figures["base"]["departures_to_the_lookup"]) == (0, None)
+
+
+def test_lookup_candidates_are_what_prompt_lookup_would_copy_at_each_response_token():
+    from bench.confidence_probe import lookup_candidates
+
+    # 6 follows the earlier 5; 7 follows the earlier 5 6; 5 follows the earlier 5 6 7 (the text says 9); nothing
+    # earlier ends in 9; 6 follows the latest 5.
+    assert lookup_candidates([5, 6, 7, 5], [6, 7, 9, 5, 6]) == [6, 7, 5, -1, 6]
