@@ -212,7 +212,7 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
     head = ["variant", "what", "training tokens", "minutes"]
     head += [f"simulated n{n}" for n in block_sizes] + [f"decoded n{n}" for n in block_sizes]
     head += [f"rolling n{n}" for n in block_sizes] + [f"multiblock n{n}" for n in block_sizes]
-    head += ["noisy accuracy", "at offset 0", "answers unchanged", "repetition (trajectories')"]
+    head += ["noisy accuracy", "at offset 0", "text kept", "answers unchanged", "repetition (trajectories')"]
     head += [f"tokens to TPF {TARGET} at n8 (fit)"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for name, r in results.items():
@@ -225,7 +225,9 @@ def markdown(results: dict, block_sizes: list[int]) -> str:
         cells += [cell(f"heldout/simulated_tpf_n{n}") for n in block_sizes]
         cells += [cell(f"heldout/decoded_tpf_n{n}") for n in block_sizes]
         cells += [cell(f"heldout/decoded_{kind}_tpf_n{n}") for kind in ("rolling", "multiblock") for n in block_sizes]
-        cells += [cell("heldout/noisy_accuracy"), cell("heldout/noisy_accuracy_at_0"), cell("heldout/greedy_unchanged")]
+        cells += [
+            cell(f"heldout/{k}") for k in ("noisy_accuracy", "noisy_accuracy_at_0", "text_kept", "greedy_unchanged")
+        ]
         both = "heldout/repetition" in f and "heldout/reference_repetition" in f
         cells.append(f"{cell('heldout/repetition')} ({cell('heldout/reference_repetition')})" if both else "-")
         reach = tokens_to_reach(r["curve"], 8, TARGET) if 8 in block_sizes else None

@@ -335,7 +335,7 @@ def acceptance_lines(training: dict) -> list[str]:
 
 
 def plot_acceptance(training: dict, path: Path) -> bool:
-    """Simulated TPF per block size and noisy accuracy against training tokens, the stages of a curriculum one
+    """Simulated TPF per block size, noisy accuracy and text kept against training tokens, the stages of a curriculum one
     after another; False when no stage measured any."""
     from matplotlib.figure import Figure
 
@@ -365,10 +365,14 @@ def plot_acceptance(training: dict, path: Path) -> bool:
             color="C1",
             label=f"{stage} offset 0",
         )
+        if any("heldout/text_kept" in r for r in measured):  # the drift beside the drafts: 1 = the text as it was
+            acc_ax.plot(
+                xs, [r.get("heldout/text_kept") for r in measured], marker="^", color="C2", label=f"{stage} text kept"
+            )
         before += sum(figures.get("tokens_by_step", []))
         drawn = drawn or bool(measured)
     tpf_ax.set(title="held-out simulated Jacobi TPF", xlabel="training tokens", ylabel="tokens per forward")
-    acc_ax.set(title="held-out noisy accuracy", xlabel="training tokens", ylabel="argmax = fixed point")
+    acc_ax.set(title="held-out noisy accuracy, text kept", xlabel="training tokens", ylabel="argmax = fixed point")
     for ax in (tpf_ax, acc_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

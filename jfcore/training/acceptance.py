@@ -7,6 +7,9 @@ jfcore/packing.py), with the model as it stands:
   every consistency pair (a noisy block's position t at or past its first mismatch d), is the student's argmax the
   fixed point's next token? Kept by offset t - d, with the run of correct predictions from offset 0 per block: the tokens past
   the correction that the next Jacobi forward would accept from that state.
+- Text kept: in the same forward, the share of the clean stream's next-token predictions (the held-out fixed points,
+  teacher forced) whose argmax is still the fixed point's token. The starting model's greedy text is its own fixed
+  point, so this starts at 1; its fall is the model's text drifting, the price of the drafts (docs/TRAINING.md).
 - Simulated TPF: greedy Jacobi decoding of every block of the held-out reference responses at once, teacher
   forced. Block j (size n) sits on the clean context (prompt + the reference response before it, prefilled
   once into a KV cache); its draft starts as the decoder's does, the model's greedy next token and then seeded
@@ -75,6 +78,8 @@ class Acceptance:
     noisy_pairs: list[int] = field(default_factory=lambda: [0] * (OFFSETS + 1))
     run_tokens: int = 0  # correct predictions from offset 0, summed over blocks with pairs
     run_blocks: int = 0
+    text_kept: int = 0  # clean-stream predictions whose argmax is the fixed point's token ...
+    text_tokens: int = 0  # ... of these
     simulated: dict[int, tuple[int, int]] = field(default_factory=dict)  # block size -> (tokens, forwards)
 
     def metrics(self) -> dict[str, float]:
@@ -86,6 +91,8 @@ class Acceptance:
                     out[f"heldout/noisy_accuracy_at_{k}"] = self.noisy_correct[k] / self.noisy_pairs[k]
         if self.run_blocks:
             out["heldout/noisy_run"] = self.run_tokens / self.run_blocks
+        if self.text_tokens:
+            out["heldout/text_kept"] = self.text_kept / self.text_tokens
         for n, (tokens, forwards) in sorted(self.simulated.items()):
             out[f"heldout/simulated_tpf_n{n}"] = tokens / forwards
         return out
@@ -100,6 +107,8 @@ class Acceptance:
                 f"noisy accuracy {self.noisy_correct[-1] / self.noisy_pairs[-1]:.3f} "
                 f"(at offset 0: {self.noisy_correct[0] / max(self.noisy_pairs[0], 1):.3f})"
             )
+        if self.text_tokens:
+            parts.append(f"text kept {self.text_kept / self.text_tokens:.3f}")
         return ", ".join(parts)
 
 
@@ -144,7 +153,7 @@ def measure(
 
 def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ranks: Ranks) -> None:
     device, dtype = _device_dtype(model)
-    counts = [0] * (2 * (OFFSETS + 1) + 2)
+    counts = [0] * (2 * (OFFSETS + 1) + 4)  # by offset: hits, pairs; then text kept, text tokens, run, blocks
     for row in ranks.turns(rows):
         if row is None:
             _idle_forward(model, pad, device)
@@ -156,6 +165,8 @@ def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ra
         ).logits
         flat = logits.reshape(-1, logits.shape[-1])
         targets = dict(zip(batch.ar_positions.tolist(), batch.ar_targets.tolist()))  # clean position -> next token
+        counts[-4] += (flat[batch.ar_positions].argmax(-1) == batch.ar_targets).sum().item()
+        counts[-3] += len(targets)
         choices = flat[batch.student_positions].argmax(-1).tolist()
         running = None  # the current block's run of correct predictions from offset 0, while unbroken
         for choice, teacher, offset in zip(choices, batch.teacher_positions.tolist(), batch.pair_offsets.tolist()):
@@ -173,6 +184,7 @@ def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ra
     counts = ranks.reduce(counts)
     result.noisy_correct = [int(x) for x in counts[: OFFSETS + 1]]
     result.noisy_pairs = [int(x) for x in counts[OFFSETS + 1 : 2 * (OFFSETS + 1)]]
+    result.text_kept, result.text_tokens = int(counts[-4]), int(counts[-3])
     result.run_tokens, result.run_blocks = int(counts[-2]), int(counts[-1])
 
 

@@ -67,6 +67,11 @@ def test_noisy_accuracy_counts_the_students_argmax_against_the_fixed_point():
         for hs in ([hits[k][b] for k in range(3)] for b in range(2))
     )
     assert result.run_blocks == 2 and result.run_tokens == run
+    # Text kept: the clean stream's argmax against its next token, from the prompt's last token to l_2's first.
+    clean = [P - 1] + [P + (2 * j + 1) * n + t for j, (_, c) in enumerate(blocks) for t in range(len(c))][:-1]
+    following = examples([row])[0].response
+    assert result.text_tokens == len(clean) == 10
+    assert result.text_kept == sum(int(logits[p].argmax()) == y for p, y in zip(clean, following))
     assert model.training is False  # measure puts the model back as it was (eval here)
 
 
@@ -116,3 +121,4 @@ def test_two_ranks_measure_what_one_measures(tmp_path):
         w.join(timeout=60)
     assert results[0] == results[1] == pytest.approx(alone)
     assert alone["heldout/simulated_tpf_n2"] > 1 and "heldout/noisy_accuracy_at_1" in alone
+    assert alone["heldout/text_kept"] == 1.0  # the fixed points are the model's own greedy text
