@@ -157,6 +157,16 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_256, "training.teacher=frozen", "training.ar_weight=10"],
         "block-8-recipe with a frozen teacher, L_AR = KL to it, lambda 10",
     ),
+    # Keep the greedy text and nothing more: the frozen teacher's targets, L_AR a hinge that holds each fixed point's
+    # token as the argmax by 1 logit (training.ar_loss margin), which leaves the rest of the distribution free.
+    "block-8-recipe+frozen-margin": (
+        [*RECIPE_256, "training.teacher=frozen", "training.ar_loss=margin", "training.ar_weight=1"],
+        "block-8-recipe with a frozen teacher, L_AR = argmax hinge (margin 1 logit), lambda 1",
+    ),
+    "block-8-recipe+margin": (
+        [*RECIPE_256, "training.ar_loss=margin", "training.ar_weight=1"],
+        "block-8-recipe with its own teacher, L_AR = argmax hinge (margin 1 logit), lambda 1",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

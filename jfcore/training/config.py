@@ -86,6 +86,12 @@ class TrainConfig:
     # ("frozen": it is L_pc's teacher and L_AR becomes KL(frozen || model), 0 until the model drifts; one more
     # forward per micro batch, no backward). Measured, the text still drifts through L_pc (docs/TRAINING.md).
     teacher: Literal["self", "frozen"] = "self"
+    # What L_AR asks of the clean stream: its likelihood (cross-entropy on the fixed points' tokens with its own
+    # teacher, KL to the frozen one), or only that each fixed point's token stay the argmax by `ar_margin` logits
+    # ("margin": mean hinge max(0, margin - (z_token - max other z)), 0 once it holds). The greedy text is what a
+    # user keeps; the rest of the distribution is left free for the drafts (docs/TRAINING.md, "Losses").
+    ar_loss: Literal["likelihood", "margin"] = "likelihood"
+    ar_margin: float = 1.0  # logits; only "margin" reads it
     # Score only consistency pairs at offsets 0 .. k-1 past a block's first wrong token (None: all). The far ones
     # ask for a token after several wrong ones, which natural text rarely allows, and they are most of the pairs.
     consistency_offsets: int | None = None
@@ -137,6 +143,7 @@ class TrainConfig:
         )
         check(self.max_grad_norm >= 0, f"TrainConfig.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         check(self.ar_weight >= 0, f"TrainConfig.ar_weight: must be >= 0, got {self.ar_weight}")
+        check(self.ar_margin > 0, f"TrainConfig.ar_margin: must be > 0 (logits), got {self.ar_margin}")
         check(self.temperature > 0, f"TrainConfig.temperature: must be > 0, got {self.temperature}")
         check(
             self.model.dtype == "float32",

@@ -206,8 +206,9 @@ def train_step(t: Trainer, step: int) -> dict:
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
         ).logits
         frozen = _frozen_logits(t.teacher, batch) if t.teacher is not None else None
+        margin = config.ar_margin if config.ar_loss == "margin" else None
         losses = jacobi_forcing_loss(
-            logits, batch, config.ar_weight, config.temperature, config.consistency_target, frozen
+            logits, batch, config.ar_weight, config.temperature, config.consistency_target, frozen, margin
         )
         engine.backward(losses.total)
         if micro == config.gradient_accumulation_steps - 1:

@@ -15,6 +15,11 @@ With a frozen teacher (TrainConfig.teacher "frozen", docs/TRAINING.md "Losses") 
 frozen copy of the starting model reading the clean stream (`frozen`, flat over [B * Lc]) instead: L_pc's teacher
 logits, and L_AR becomes KL(frozen || model) over the same positions, which is 0 where the model still predicts
 what it did and, unlike cross-entropy on the greedy tokens, never rewards sharpening its own text.
+
+With a margin (TrainConfig.ar_loss "margin", either teacher) L_AR asks only that each scored clean position's argmax
+stay the fixed point's token, by `margin` logits over the next best: the mean over those positions of
+max(0, margin - (z_target - max_{v != target} z_v)). It is 0 wherever that holds, so it keeps the greedy text and
+leaves the rest of the distribution to the consistency term.
 """
 
 from __future__ import annotations
@@ -35,11 +40,18 @@ class Losses:
     consistency: torch.Tensor
 
 
-def ar_loss(logits: torch.Tensor, batch: PackedBatch, frozen: torch.Tensor | None = None) -> torch.Tensor:
+def ar_loss(
+    logits: torch.Tensor, batch: PackedBatch, frozen: torch.Tensor | None = None, margin: float | None = None
+) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     if batch.ar_positions.numel() == 0:
         return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
     student = flat[batch.ar_positions].float()
+    if margin is not None:
+        target = batch.ar_targets.to(student.device)[:, None]
+        chosen = student.gather(1, target)[:, 0]
+        best_other = student.scatter(1, target, float("-inf")).max(-1).values
+        return F.relu(margin - (chosen - best_other)).mean()
     if frozen is None:
         return F.cross_entropy(student, batch.ar_targets)
     teacher = F.log_softmax(frozen[batch.clean_index[batch.ar_positions]].detach().float(), dim=-1)
@@ -74,10 +86,12 @@ def jacobi_forcing_loss(
     temperature: float,
     target: ConsistencyTarget = "clean",
     frozen: torch.Tensor | None = None,
+    margin: float | None = None,
 ) -> Losses:
-    """`frozen`: a frozen teacher's logits over the clean stream ([B, Lc, V] or flat), or None: the model's own."""
+    """`frozen`: a frozen teacher's logits over the clean stream ([B, Lc, V] or flat), or None: the model's own.
+    `margin`: L_AR as the argmax hinge with that margin instead of the likelihood."""
     if frozen is not None:
         frozen = frozen.reshape(-1, frozen.shape[-1])
-    ar = ar_loss(logits, batch, frozen)
+    ar = ar_loss(logits, batch, frozen, margin)
     pc = consistency_loss(logits, batch, temperature, target, frozen)
     return Losses(total=pc + ar_weight * ar, ar=ar.detach(), consistency=pc.detach())

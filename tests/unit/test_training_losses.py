@@ -176,3 +176,23 @@ def test_a_frozen_teacher_scores_the_clean_stream_by_kl_and_teaches_the_noisy_lo
     assert not torch.allclose(losses.consistency, consistency_loss(logits, batch, 1.0))
     losses.total.backward()
     assert frozen.grad is None and torch.count_nonzero(logits.grad) > 0
+
+
+def test_a_margin_asks_only_that_each_fixed_point_token_stay_the_argmax_by_that_much():
+    # AR pairs of this row: the prompt's last logit (position 1) -> 4, then l_0's logits (4, 5) -> 5 and 6.
+    batch = collate([packed_row([1, 3], [([9, 9, 9], [4, 5, 6])], mismatch=[1], n=3)], PADID, EOS, ar_prompt=False)
+    assert batch.ar_positions.tolist() == [1, 5, 6] and batch.ar_targets.tolist() == [4, 5, 6]
+    logits = torch.zeros(*batch.input_ids.shape, V)
+    logits[0, 1, 4], logits[0, 1, 8] = 3.0, 1.0  # argmax by 2.0: clear of a margin of 1
+    logits[0, 5, 5], logits[0, 5, 7] = 1.2, 1.0  # argmax by 0.2: 0.8 short
+    logits[0, 6, 6], logits[0, 6, 2] = 0.5, 2.0  # another token leads by 1.5: 2.5 short
+    logits.requires_grad_(True)
+    losses = jacobi_forcing_loss(logits, batch, ar_weight=3.0, temperature=1.0, margin=1.0)
+    torch.testing.assert_close(losses.ar, torch.tensor((0.0 + 0.8 + 2.5) / 3))
+    torch.testing.assert_close(losses.total, losses.consistency + 3.0 * losses.ar)
+    losses.total.backward()
+    # The held position gets no gradient from L_AR; a short one raises its token and lowers the one in its way.
+    ar_grad = logits.grad[0, [1, 5, 6]]
+    assert torch.count_nonzero(ar_grad[0]) == 0
+    assert ar_grad[1, 5] == ar_grad[2, 6] == -1.0 and ar_grad[1, 7] == ar_grad[2, 2] == 1.0
+    assert torch.count_nonzero(ar_grad[1:]) == 4
