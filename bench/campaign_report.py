@@ -335,8 +335,8 @@ def acceptance_lines(training: dict) -> list[str]:
 
 
 def plot_acceptance(training: dict, path: Path) -> bool:
-    """Simulated TPF per block size, noisy accuracy and text kept against training tokens, the stages of a curriculum one
-    after another; False when no stage measured any."""
+    """Simulated TPF per block size, noisy accuracy and text kept against training tokens, the stages of a
+    curriculum one after another; False when no stage measured any."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.6), layout="constrained")

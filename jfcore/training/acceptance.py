@@ -9,7 +9,9 @@ jfcore/packing.py), with the model as it stands:
   the correction that the next Jacobi forward would accept from that state.
 - Text kept: in the same forward, the share of the clean stream's next-token predictions (the held-out fixed points,
   teacher forced) whose argmax is still the fixed point's token. The starting model's greedy text is its own fixed
-  point, so this starts at 1 in float32 (bfloat16 flips a few near-ties); its fall is the model's text drifting, the price of the drafts (docs/TRAINING.md).
+  point, so this starts at 1 in float32 (bfloat16 flips a few near-ties). Any weight change flips about half the
+  near-ties too, so it has a floor that is not drift (about 0.90 on SmolLM2); its fall past that is the model's
+  text drifting, the price of the drafts (docs/TRAINING.md).
 - Simulated TPF: greedy Jacobi decoding of every block of the held-out reference responses at once, teacher
   forced. Block j (size n) sits on the clean context (prompt + the reference response before it, prefilled
   once into a KV cache); its draft starts as the decoder's does, the model's greedy next token and then seeded
