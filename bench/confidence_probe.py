@@ -24,14 +24,7 @@ import torch
 from jfcore.contracts import HELDOUT
 from jfcore.decoding.candidates.lookup import PromptLookup
 from jfcore.models import ModelConfig, load_model
-from jfcore.training.batch import clean_stream
-
-
-def prompt_and_response(row: dict) -> tuple[list[int], list[int]]:
-    """A packed row's prompt and its fixed points' tokens, block after block: the clean stream training reads."""
-    clean = clean_stream(row)
-    return clean[: row["prompt_length"]], clean[row["prompt_length"] :]
-
+from jfcore.training.acceptance import examples
 
 LOOKUP_NGRAM = 3  # the decoder's default prompt lookup match length (DecodeConfig.lookup_ngram)
 
@@ -53,8 +46,7 @@ def probe(model, rows: list[dict]) -> dict:
     top1 = entropy = nll = agree = count = 0.0
     with_candidate = argmax_copies = wrong_candidates = wrong_candidate_prob = wrong_off_text = 0.0
     departures = departures_copy = 0.0
-    for row in rows:
-        prompt, response = prompt_and_response(row)
+    for prompt, response in ((e.prompt, e.response) for e in examples(rows)):
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1)
         target, argmax = torch.tensor(response), logp.argmax(-1)

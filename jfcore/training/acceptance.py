@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from jfcore.training.batch import collate
+from jfcore.training.batch import clean_stream, collate
 from jfcore.training.mask import NoisyContext, attention_mask
 
 OFFSETS = 4  # noisy accuracy is kept separately for offsets 0..OFFSETS-1 past the first mismatch
@@ -118,9 +118,8 @@ def examples(rows: Sequence[dict]) -> list[Example]:
     """The prompt and reference response of each held-out packed row."""
     out = []
     for row in rows:
-        ids, P, n = row["input_ids"], row["prompt_length"], row["block_size"]
-        response = [t for j, m in enumerate(row["valid_lengths"]) for t in ids[P + (2 * j + 1) * n :][:m]]
-        out.append(Example(list(ids[:P]), response))
+        clean, P = clean_stream(row), row["prompt_length"]
+        out.append(Example(clean[:P], clean[P:]))
     return out
 
 

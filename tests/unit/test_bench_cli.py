@@ -270,6 +270,7 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
 
     from bench import confidence_probe
     from jfcore.packing import PackingConfig
+    from jfcore.training.acceptance import examples
     from tests.support.training_data import packed_data
 
     base = save_tiny_checkpoint(tmp_path / "base", initializer_range=0.3)
@@ -289,7 +290,7 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     assert figures["sharper"]["mean_entropy"] < figures["base"]["mean_entropy"]
     # The base model never leaves its own text, so its argmax is the lookup candidate exactly where the text is.
     rows = [r for f in sorted((packing / "heldout").glob("*.parquet")) for r in pq.read_table(f).to_pylist()][:16]
-    texts = [confidence_probe.prompt_and_response(r) for r in rows]
+    texts = [(e.prompt, e.response) for e in examples(rows)]
     pairs = [(c, t) for p, r in texts for c, t in zip(confidence_probe.lookup_candidates(p, r), r) if c >= 0]
     assert figures["base"]["tokens_with_a_lookup_candidate"] == len(pairs) > 0
     assert figures["base"]["argmax_is_the_lookup"] == pytest.approx(sum(c == t for c, t in pairs) / len(pairs))
