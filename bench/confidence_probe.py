@@ -22,23 +22,11 @@ import pyarrow.parquet as pq
 import torch
 
 from jfcore.contracts import HELDOUT
-from jfcore.decoding.candidates.lookup import PromptLookup
+from jfcore.decoding.candidates.lookup import lookup_candidates
 from jfcore.models import ModelConfig, load_model
 from jfcore.training.acceptance import examples
 
 LOOKUP_NGRAM = 3  # the decoder's default prompt lookup match length (DecodeConfig.lookup_ngram)
-
-
-def lookup_candidates(prompt: list[int], response: list[int]) -> list[int]:
-    """For each response token, the token prompt lookup would copy in its place from the text before it, or -1
-    where no suffix of that text occurred earlier."""
-    lookup = PromptLookup(LOOKUP_NGRAM, 1, prompt[:-1])
-    candidates, last = [], prompt[-1]
-    for token in response:
-        candidates.append((lookup.propose(last, 1) or [-1])[0])
-        lookup.extend([last])
-        last = token
-    return candidates
 
 
 @torch.no_grad()
@@ -55,7 +43,7 @@ def probe(model, rows: list[dict]) -> dict:
         nll += -logp[torch.arange(len(response)), target].sum().item()
         agree += (argmax == target).sum().item()
         count += len(response)
-        candidate = torch.tensor(lookup_candidates(prompt, response))
+        candidate = torch.tensor(lookup_candidates(prompt, response, LOOKUP_NGRAM))
         has = candidate >= 0
         wrong = has & (candidate != target)
         departed = argmax != target

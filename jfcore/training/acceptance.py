@@ -6,7 +6,9 @@ jfcore/packing.py), with the model as it stands:
 - Noisy accuracy: one forward over the held-out packed rows under the training mask (with its noisy context). For
   every consistency pair (a noisy block's position t at or past its first mismatch d), is the student's argmax the
   fixed point's next token? Kept by offset t - d, with the run of correct predictions from offset 0 per block: the tokens past
-  the correction that the next Jacobi forward would accept from that state.
+  the correction that the next Jacobi forward would accept from that state. Kept apart too for the pairs whose token
+  prompt lookup would copy from the text before it (copyable) and the rest: decoding with lookup gets the first
+  kind without the drafts, so the second is what only the model's drafts can add (docs/TRAINING.md).
 - Text kept: in the same forward, the share of the clean stream's next-token predictions (the held-out fixed points,
   teacher forced) whose argmax is still the fixed point's token. The starting model's greedy text is its own fixed
   point, so this starts at 1 in float32 (bfloat16 flips a few near-ties). Any weight change flips about half the
@@ -78,6 +80,8 @@ class Acceptance:
 
     noisy_correct: list[int] = field(default_factory=lambda: [0] * (OFFSETS + 1))  # by offset, then all offsets
     noisy_pairs: list[int] = field(default_factory=lambda: [0] * (OFFSETS + 1))
+    copyable_correct: int = 0  # of all offsets' pairs, those whose fixed-point token prompt lookup would copy
+    copyable_pairs: int = 0
     run_tokens: int = 0  # correct predictions from offset 0, summed over blocks with pairs
     run_blocks: int = 0
     text_kept: int = 0  # clean-stream predictions whose argmax is the fixed point's token ...
@@ -91,6 +95,11 @@ class Acceptance:
             for k in range(OFFSETS):
                 if self.noisy_pairs[k]:
                     out[f"heldout/noisy_accuracy_at_{k}"] = self.noisy_correct[k] / self.noisy_pairs[k]
+            out["heldout/copyable_share"] = self.copyable_pairs / self.noisy_pairs[-1]
+            if self.copyable_pairs:
+                out["heldout/noisy_accuracy_copyable"] = self.copyable_correct / self.copyable_pairs
+            if rest := self.noisy_pairs[-1] - self.copyable_pairs:
+                out["heldout/noisy_accuracy_uncopyable"] = (self.noisy_correct[-1] - self.copyable_correct) / rest
         if self.run_blocks:
             out["heldout/noisy_run"] = self.run_tokens / self.run_blocks
         if self.text_tokens:
@@ -154,7 +163,8 @@ def measure(
 
 def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ranks: Ranks) -> None:
     device, dtype = _device_dtype(model)
-    counts = [0] * (2 * (OFFSETS + 1) + 4)  # by offset: hits, pairs; then text kept, text tokens, run, blocks
+    # by offset: hits, pairs; then copyable hits, copyable pairs, text kept, text tokens, run, blocks
+    counts = [0] * (2 * (OFFSETS + 1) + 6)
     for row in ranks.turns(rows):
         if row is None:
             _idle_forward(model, pad, device)
@@ -170,10 +180,14 @@ def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ra
         counts[-3] += len(targets)
         choices = flat[batch.student_positions].argmax(-1).tolist()
         running = None  # the current block's run of correct predictions from offset 0, while unbroken
-        for choice, teacher, offset in zip(choices, batch.teacher_positions.tolist(), batch.pair_offsets.tolist()):
+        pairs = zip(choices, *(x.tolist() for x in (batch.teacher_positions, batch.pair_offsets, batch.pair_copyable)))
+        for choice, teacher, offset, copyable in pairs:
             if teacher not in targets:  # the response's last token (cut by the budget): no fixed point after it
                 continue
             hit = choice == targets[teacher]
+            if copyable:
+                counts[-6] += hit
+                counts[-5] += 1
             if offset == 0:
                 counts[-1] += 1
                 running = True
@@ -185,6 +199,7 @@ def _noisy_accuracy(model, rows, pad, eos, attn, context, result: Acceptance, ra
     counts = ranks.reduce(counts)
     result.noisy_correct = [int(x) for x in counts[: OFFSETS + 1]]
     result.noisy_pairs = [int(x) for x in counts[OFFSETS + 1 : 2 * (OFFSETS + 1)]]
+    result.copyable_correct, result.copyable_pairs = int(counts[-6]), int(counts[-5])
     result.text_kept, result.text_tokens = int(counts[-4]), int(counts[-3])
     result.run_tokens, result.run_blocks = int(counts[-2]), int(counts[-1])
 

@@ -17,6 +17,9 @@ Which logits count (a logit at a position predicts the next token of its stream)
   fixed point's token that clean logit predicts (none past the response's end). With `max_offset`
   k, only offsets t - d_j < k count: the student's input reaches at most k - 1 tokens past the
   block's first wrong one.
+- Copyable pairs: those whose fixed-point token prompt lookup would propose from the clean text before it
+  (jfcore.decoding.candidates.lookup.lookup_candidates). Decoding gets those tokens without the model's drafts;
+  `copy_pairs=False` leaves them out of L_pc (TrainConfig.consistency_copies), and acceptance counts them apart.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from jfcore.decoding.candidates.lookup import lookup_candidates
 
 PAD, PROMPT, NOISY, CLEAN = -1, 0, 1, 2
 IGNORE = -100  # a pair target with no token: cross-entropy's ignore_index
@@ -43,6 +48,7 @@ class PackedBatch:
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
     pair_offsets: torch.Tensor  # [C] t - d_j: how far past its block's first wrong token the student's input reaches
     pair_targets: torch.Tensor  # [C] the fixed point's token the teacher's logit predicts (IGNORE: past the response)
+    pair_copyable: torch.Tensor  # [C] bool: prompt lookup would propose that token from the clean text before it
     # The clean stream alone (prompt, then each l_j's valid tokens), right-padded: what a frozen teacher reads with
     # an ordinary causal mask (TrainConfig.teacher "frozen").
     clean_ids: torch.Tensor  # [B, Lc] long
@@ -63,11 +69,13 @@ class _Row:
     streams: list[int]
     blocks: list[int]
     ar: list[tuple[int, int]]  # (position, target token)
-    pairs: list[tuple[int, int, int, int]]  # (student position, teacher position, offset, fixed-point target)
+    pairs: list[tuple[int, int, int, int, bool]]  # (student position, teacher position, offset, target, copyable)
     clean: list[int]  # the clean stream's positions, in order
 
 
-def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: int | None) -> _Row:
+def _layout(
+    row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: int | None, copy_pairs: bool = True
+) -> _Row:
     """Streams and scored positions of one packed row (positions within the row)."""
     ids, P, n, T = row["input_ids"], row["prompt_length"], row["block_size"], row["num_blocks"]
     mismatch, valid = row["first_mismatch"], row["valid_lengths"]
@@ -94,6 +102,7 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: in
         (clean_positions[i], ids[clean_positions[i + 1]])
         for i in range(first, min(len(clean_positions) - 1, last_target))
     ]
+    copies = lookup_candidates(ids[:P], response) if P else [-1] * len(response)  # by response index
     pairs, seen = [], P  # `seen`: response tokens before block j
     for j in range(T):
         noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
@@ -102,7 +111,9 @@ def _layout(row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: in
             if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
                 after = seen + t + 1
                 target = ids[clean_positions[after]] if after < len(clean_positions) else IGNORE
-                pairs.append((noisy + t, clean + t, t - mismatch[j], target))
+                copyable = target != IGNORE and copies[after - P] == target
+                if copy_pairs or not copyable:
+                    pairs.append((noisy + t, clean + t, t - mismatch[j], target, copyable))
         seen += valid[j]
     return _Row(streams, blocks, ar, pairs, clean_positions)
 
@@ -118,10 +129,12 @@ def collate(
     eos_token_id: int | None,
     ar_prompt: bool = True,
     max_offset: int | None = None,
+    copy_pairs: bool = True,
 ) -> PackedBatch:
     """Right-pad packed rows into one batch with its loss indices (`ar_prompt`: score the prompt's own next-token
-    pairs in L_AR too; `max_offset`: keep consistency pairs only that far past a block's first mismatch)."""
-    layouts = [_layout(r, eos_token_id, ar_prompt, max_offset) for r in rows]
+    pairs in L_AR too; `max_offset`: keep consistency pairs only that far past a block's first mismatch;
+    `copy_pairs` false: leave out the pairs whose target prompt lookup would copy)."""
+    layouts = [_layout(r, eos_token_id, ar_prompt, max_offset, copy_pairs) for r in rows]
     B, L = len(rows), max(len(r["input_ids"]) for r in rows)
     Lc = max(len(lay.clean) for lay in layouts)
     clean_ids = torch.full((B, Lc), pad_token_id, dtype=torch.long)
@@ -132,7 +145,7 @@ def collate(
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
     blocks = torch.full((B, L), -1, dtype=torch.int32)
-    ar_pos, ar_tgt, student, teacher, weights, offsets, targets = [], [], [], [], [], [], []
+    ar_pos, ar_tgt, student, teacher, weights, offsets, targets, copyable = [], [], [], [], [], [], [], []
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
@@ -146,10 +159,11 @@ def collate(
         clean_index[b * L + clean] = b * Lc + torch.arange(len(clean))
         ar_pos += [b * L + p for p, _ in lay.ar]
         ar_tgt += [t for _, t in lay.ar]
-        student += [b * L + s for s, _, _, _ in lay.pairs]
-        teacher += [b * L + c for _, c, _, _ in lay.pairs]
-        offsets += [k for _, _, k, _ in lay.pairs]
-        targets += [y for _, _, _, y in lay.pairs]
+        student += [b * L + pair[0] for pair in lay.pairs]
+        teacher += [b * L + pair[1] for pair in lay.pairs]
+        offsets += [pair[2] for pair in lay.pairs]
+        targets += [pair[3] for pair in lay.pairs]
+        copyable += [pair[4] for pair in lay.pairs]
         if lay.pairs:
             weights += [1.0 / (len(lay.pairs) * row["num_blocks"] * B)] * len(lay.pairs)
     return PackedBatch(
@@ -164,6 +178,7 @@ def collate(
         pair_weights=torch.tensor(weights, dtype=torch.float32),
         pair_offsets=torch.tensor(offsets, dtype=torch.long),
         pair_targets=torch.tensor(targets, dtype=torch.long),
+        pair_copyable=torch.tensor(copyable, dtype=torch.bool),
         clean_ids=clean_ids,
         clean_position_ids=clean_position_ids,
         clean_attention=clean_attention,

@@ -95,6 +95,10 @@ class TrainConfig:
     # Score only consistency pairs at offsets 0 .. k-1 past a block's first wrong token (None: all). The far ones
     # ask for a token after several wrong ones, which natural text rarely allows, and they are most of the pairs.
     consistency_offsets: int | None = None
+    # Score the consistency pairs whose fixed-point token prompt lookup would copy from the text before it ("keep"),
+    # or leave them out ("skip"). Decoding with lookup gets those tokens without the drafts, and learning to predict
+    # them from a noisy block teaches the model to copy, which its greedy text then does more (docs/TRAINING.md).
+    consistency_copies: Literal["keep", "skip"] = "keep"
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
     gradient_checkpointing: bool = False

@@ -198,7 +198,12 @@ def train_step(t: Trainer, step: int) -> dict:
     for micro in range(config.gradient_accumulation_steps):
         rows = t.data.take(t.order.rows(step, micro, t.rank))
         batch = collate(
-            rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id, config.ar_on_prompt, config.consistency_offsets
+            rows,
+            t.tokenizer.pad_token_id,
+            t.tokenizer.eos_token_id,
+            config.ar_on_prompt,
+            config.consistency_offsets,
+            copy_pairs=config.consistency_copies == "keep",
         ).to(device)
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         mask = attention_mask(batch.streams, t.attn, dtype, batch.blocks, config.noisy_context)

@@ -269,6 +269,7 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     from transformers import AutoModelForCausalLM
 
     from bench import confidence_probe
+    from jfcore.decoding.candidates.lookup import lookup_candidates
     from jfcore.packing import PackingConfig
     from jfcore.training.acceptance import examples
     from tests.support.training_data import packed_data
@@ -291,15 +292,7 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     # The base model never leaves its own text, so its argmax is the lookup candidate exactly where the text is.
     rows = [r for f in sorted((packing / "heldout").glob("*.parquet")) for r in pq.read_table(f).to_pylist()][:16]
     texts = [(e.prompt, e.response) for e in examples(rows)]
-    pairs = [(c, t) for p, r in texts for c, t in zip(confidence_probe.lookup_candidates(p, r), r) if c >= 0]
+    pairs = [(c, t) for p, r in texts for c, t in zip(lookup_candidates(p, r), r) if c >= 0]
     assert figures["base"]["tokens_with_a_lookup_candidate"] == len(pairs) > 0
     assert figures["base"]["argmax_is_the_lookup"] == pytest.approx(sum(c == t for c, t in pairs) / len(pairs))
     assert (figures["base"]["departures"], figures["base"]["departures_to_the_lookup"]) == (0, None)
-
-
-def test_lookup_candidates_are_what_prompt_lookup_would_copy_at_each_response_token():
-    from bench.confidence_probe import lookup_candidates
-
-    # 6 follows the earlier 5; 7 follows the earlier 5 6; 5 follows the earlier 5 6 7 (the text says 9); nothing
-    # earlier ends in 9; 6 follows the latest 5.
-    assert lookup_candidates([5, 6, 7, 5], [6, 7, 9, 5, 6]) == [6, 7, 5, -1, 6]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.candidates.lookup import PromptLookup
+from jfcore.decoding.candidates.lookup import PromptLookup, lookup_candidates
 from jfcore.decoding.rules.native import NativeRules, _native
 from jfcore.tuning.replay import simulate
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
@@ -163,3 +163,9 @@ def test_the_c_lookup_proposes_and_adapts_like_the_python_one(text, max_ngram, m
 def test_bad_lookup_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         DecodeConfig(**kwargs)
+
+
+def test_lookup_candidates_are_what_prompt_lookup_would_copy_at_each_response_token():
+    # 6 follows the earlier 5; 7 follows the earlier 5 6; 5 follows the earlier 5 6 7 (the text says 9); nothing
+    # earlier ends in 9; 6 follows the latest 5.
+    assert lookup_candidates([5, 6, 7, 5], [6, 7, 9, 5, 6]) == [6, 7, 5, -1, 6]

@@ -122,3 +122,33 @@ def test_two_ranks_measure_what_one_measures(tmp_path):
     assert results[0] == results[1] == pytest.approx(alone)
     assert alone["heldout/simulated_tpf_n2"] > 1 and "heldout/noisy_accuracy_at_1" in alone
     assert alone["heldout/text_kept"] == 1.0  # the fixed points are the model's own greedy text
+
+
+def test_noisy_accuracy_is_split_between_tokens_prompt_lookup_would_copy_and_the_rest():
+    model = tiny_model("llama")
+    prompt, n = [1, 4, 5], 3
+    # As in test_training_losses: of block 0's targets 4, 5, 6 lookup would copy 5 and 6; block 1's 3 and 8 it would
+    # not (its last position predicts past the response and is no pair here).
+    blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
+    row = packed_row(prompt, blocks, mismatch=[0, 0], n=n)
+    result = measure(model, [row], [], tokens=64, pad_token_id=0, eos_token_id=None, attn="sdpa")
+    from jfcore.training import attention_mask, collate
+
+    batch = collate([row], 0, None)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=attention_mask(batch.streams, "sdpa", torch.float32),
+        ).logits[0]
+    hit = {
+        (j, t): int(logits[3 + 2 * j * n + t].argmax()) == y
+        for (j, t), y in zip([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)], [4, 5, 6, 3, 8])
+    }
+    assert (result.noisy_pairs[-1], result.copyable_pairs) == (5, 2)
+    assert result.copyable_correct == hit[0, 1] + hit[0, 2]
+    assert result.noisy_correct[-1] == sum(hit.values())
+    figures = result.metrics()
+    assert figures["heldout/copyable_share"] == 2 / 5
+    assert figures["heldout/noisy_accuracy_copyable"] == (hit[0, 1] + hit[0, 2]) / 2
+    assert figures["heldout/noisy_accuracy_uncopyable"] == (hit[0, 0] + hit[1, 0] + hit[1, 1]) / 3

@@ -35,6 +35,7 @@ def test_unknown_and_invalid_keys_are_named():
         ("consistency_offsets", 0, "consistency_offsets: must be >= 1"),
         ("ar_margin", 0.0, "ar_margin: must be > 0"),
         ("ar_loss", "hinge", "ar_loss"),
+        ("consistency_copies", "drop", "consistency_copies"),
         ("acceptance", {"every": -1}, "AcceptanceConfig.every: must be >= 0"),
         ("acceptance", {"block_sizes": [8, 1]}, "Jacobi blocks are >= 2 tokens"),
         ("acceptance", {"prompts": 0}, "AcceptanceConfig.prompts"),

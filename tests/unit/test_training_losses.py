@@ -196,3 +196,20 @@ def test_a_margin_asks_only_that_each_fixed_point_token_stay_the_argmax_by_that_
     assert torch.count_nonzero(ar_grad[0]) == 0
     assert ar_grad[1, 5] == ar_grad[2, 6] == -1.0 and ar_grad[1, 7] == ar_grad[2, 2] == 1.0
     assert torch.count_nonzero(ar_grad[1:]) == 4
+
+
+def test_pairs_whose_token_prompt_lookup_would_copy_are_flagged_and_can_be_left_out():
+    # Clean text 1 4 5 | 6 4 5 | 6 3 8. Lookup (the decoder's, 1-3 token suffixes) would copy 5 after "6 4" (4 was
+    # followed by 5) and 6 after "4 5" (4 5 was followed by 6), but offers 4, not 3, after "4 5 6", and nothing
+    # for the first 6, the first 4 or the 8.
+    blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
+    row = packed_row([1, 4, 5], blocks, mismatch=[0, 0], n=3)
+    kept = collate([row], PADID, EOS, ar_prompt=False)
+    assert kept.pair_targets.tolist() == [4, 5, 6, 3, 8, IGNORE]
+    assert kept.pair_copyable.tolist() == [False, True, True, False, False, False]
+    skipped = collate([row], PADID, EOS, ar_prompt=False, copy_pairs=False)
+    # k_0 sits at 3..5 and k_1 at 9..11: offsets 1 and 2 of block 0 go; the rest are reweighted over 4 pairs, T = 2
+    assert skipped.student_positions.tolist() == [3, 9, 10, 11]
+    assert skipped.pair_copyable.tolist() == [False] * 4
+    assert torch.allclose(skipped.pair_weights, torch.full((4,), 1 / (4 * 2)))
+    assert skipped.ar_positions.tolist() == kept.ar_positions.tolist()  # L_AR still scores the whole text
