@@ -155,7 +155,7 @@ def test_acceptance_is_measured_on_the_heldout_prompts_and_logged(setup, uninter
         for n in (2, 4):  # 48 tokens in at least 48 / n forwards and at most 48
             assert 1.0 <= r[f"heldout/simulated_tpf_n{n}"] <= n
         assert 0.0 <= r["heldout/noisy_accuracy"] <= 1.0 and "heldout/noisy_accuracy_at_0" in r
-        assert 0.0 <= r["heldout/text_kept"] <= 1.0
+        assert 0.0 <= r["heldout/text_kept"] <= 1.0 and 0.0 <= r["heldout/copyable_share"] <= 1.0
     assert measured[0]["heldout/text_kept"] == 1.0  # the trajectories are the untrained model's greedy text
     assert {f"heldout/decoded_tpf_n{n}" for n in (2, 4)} <= set(decoded) and 0 <= decoded[
         "heldout/greedy_unchanged"
