@@ -335,8 +335,8 @@ def acceptance_lines(training: dict) -> list[str]:
 
 
 def plot_acceptance(training: dict, path: Path) -> bool:
-    """Simulated TPF per block size, noisy accuracy and text kept against training tokens, the stages of a
-    curriculum one after another; False when no stage measured any."""
+    """Simulated TPF per block size, noisy accuracy (all, at offset 0, uncopyable) and text kept against training
+    tokens, the stages of a curriculum one after another; False when no stage measured any."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.6), layout="constrained")
@@ -365,6 +365,14 @@ def plot_acceptance(training: dict, path: Path) -> bool:
             color="C1",
             label=f"{stage} offset 0",
         )
+        if any("heldout/noisy_accuracy_uncopyable" in r for r in measured):  # what prompt lookup cannot supply
+            acc_ax.plot(
+                xs,
+                [r.get("heldout/noisy_accuracy_uncopyable") for r in measured],
+                marker="v",
+                color="C3",
+                label=f"{stage} uncopyable",
+            )
         if any("heldout/text_kept" in r for r in measured):  # the drift beside the drafts: 1 = the text as it was
             acc_ax.plot(
                 xs, [r.get("heldout/text_kept") for r in measured], marker="^", color="C2", label=f"{stage} text kept"
