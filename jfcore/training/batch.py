@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from jfcore.decoding.candidates.lookup import lookup_candidates
+
+if TYPE_CHECKING:
+    from jfcore.training.config import TrainConfig
 
 PAD, PROMPT, NOISY, CLEAN = -1, 0, 1, 2
 IGNORE = -100  # a pair target with no token: cross-entropy's ignore_index
@@ -116,6 +120,18 @@ def _layout(
                     pairs.append((noisy + t, clean + t, t - mismatch[j], target, copyable))
         seen += valid[j]
     return _Row(streams, blocks, ar, pairs, clean_positions)
+
+
+def collate_for(config: TrainConfig, rows: Sequence[dict], pad_token_id: int, eos_token_id: int | None) -> PackedBatch:
+    """The batch a training step scores under `config`: which AR targets and consistency pairs count."""
+    return collate(
+        rows,
+        pad_token_id,
+        eos_token_id,
+        config.ar_on_prompt,
+        config.consistency_offsets,
+        copy_pairs=config.consistency_copies == "keep",
+    )
 
 
 def clean_stream(row: dict) -> list[int]:

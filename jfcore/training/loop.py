@@ -27,7 +27,7 @@ from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
 from jfcore.evaluation.repetition import repeated_share
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training import acceptance, checkpoints
-from jfcore.training.batch import collate
+from jfcore.training.batch import collate_for
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder, PackedData, TrainingDataError
 from jfcore.training.lora import with_lora
@@ -197,14 +197,7 @@ def train_step(t: Trainer, step: int) -> dict:
     tokens = 0
     for micro in range(config.gradient_accumulation_steps):
         rows = t.data.take(t.order.rows(step, micro, t.rank))
-        batch = collate(
-            rows,
-            t.tokenizer.pad_token_id,
-            t.tokenizer.eos_token_id,
-            config.ar_on_prompt,
-            config.consistency_offsets,
-            copy_pairs=config.consistency_copies == "keep",
-        ).to(device)
+        batch = collate_for(config, rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id).to(device)
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         mask = attention_mask(batch.streams, t.attn, dtype, batch.blocks, config.noisy_context)
         logits = engine(

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from jfcore.training import collate, consistency_loss, jacobi_forcing_loss
-from jfcore.training.batch import IGNORE
+from jfcore.training.batch import IGNORE, collate_for
+from jfcore.training.config import TrainConfig
 from tests.support.training_data import packed_row
 
 V, EOS, PADID = 11, 2, 0
@@ -213,3 +214,7 @@ def test_pairs_whose_token_prompt_lookup_would_copy_are_flagged_and_can_be_left_
     assert skipped.pair_copyable.tolist() == [False] * 4
     assert torch.allclose(skipped.pair_weights, torch.full((4,), 1 / (4 * 2)))
     assert skipped.ar_positions.tolist() == kept.ar_positions.tolist()  # L_AR still scores the whole text
+    # A training step builds its batch from the config the same way.
+    for copies, expected in (("keep", kept), ("skip", skipped)):
+        config = TrainConfig(data="d", output_dir="o", consistency_copies=copies)
+        assert collate_for(config, [row], PADID, EOS).student_positions.tolist() == expected.student_positions.tolist()
