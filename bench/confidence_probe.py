@@ -22,11 +22,9 @@ import pyarrow.parquet as pq
 import torch
 
 from jfcore.contracts import HELDOUT
-from jfcore.decoding.candidates.lookup import lookup_candidates
 from jfcore.models import ModelConfig, load_model
 from jfcore.training.acceptance import examples
-
-LOOKUP_NGRAM = 3  # the decoder's default prompt lookup match length (DecodeConfig.lookup_ngram)
+from jfcore.training.copies import lookup_candidates
 
 
 @torch.no_grad()
@@ -43,7 +41,7 @@ def probe(model, rows: list[dict]) -> dict:
         nll += -logp[torch.arange(len(response)), target].sum().item()
         agree += (argmax == target).sum().item()
         count += len(response)
-        candidate = torch.tensor(lookup_candidates(prompt, response, LOOKUP_NGRAM))
+        candidate = torch.tensor(lookup_candidates(prompt, response))
         has = candidate >= 0
         wrong = has & (candidate != target)
         departed = argmax != target

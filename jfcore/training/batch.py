@@ -18,7 +18,7 @@ Which logits count (a logit at a position predicts the next token of its stream)
   k, only offsets t - d_j < k count: the student's input reaches at most k - 1 tokens past the
   block's first wrong one.
 - Copyable pairs: those whose fixed-point token prompt lookup would propose from the clean text before it
-  (jfcore.decoding.candidates.lookup.lookup_candidates). Decoding gets those tokens without the model's drafts;
+  (jfcore.training.copies). Decoding gets those tokens without the model's drafts;
   `copy_pairs=False` leaves them out of L_pc (TrainConfig.consistency_copies), and acceptance counts them apart.
 """
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from jfcore.decoding.candidates.lookup import lookup_candidates
+from jfcore.training.copies import lookup_candidates
 
 if TYPE_CHECKING:
     from jfcore.training.config import TrainConfig

@@ -269,9 +269,9 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     from transformers import AutoModelForCausalLM
 
     from bench import confidence_probe
-    from jfcore.decoding.candidates.lookup import lookup_candidates
     from jfcore.packing import PackingConfig
     from jfcore.training.acceptance import examples
+    from jfcore.training.copies import lookup_candidates
     from tests.support.training_data import packed_data
 
     base = save_tiny_checkpoint(tmp_path / "base", initializer_range=0.3)

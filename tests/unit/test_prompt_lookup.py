@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from jfcore.config import ConfigError
 from jfcore.decoding import DecodeConfig, decode
-from jfcore.decoding.candidates.lookup import PromptLookup, lookup_candidates
+from jfcore.decoding.candidates.lookup import PromptLookup
 from jfcore.decoding.rules.native import NativeRules, _native
+from jfcore.training.copies import lookup_candidates
 from jfcore.tuning.replay import simulate
 from tests.support.tiny_models import ARCHITECTURES, greedy_reference, position_model, tiny_model
 

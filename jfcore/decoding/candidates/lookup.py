@@ -69,18 +69,3 @@ class PromptLookup:
             self.length = min(self.length + 2, self.max_tokens)
         else:
             self.length = max(self.length - 1, 1)
-
-
-def lookup_candidates(prompt: Sequence[int], response: Sequence[int], max_ngram: int = 3) -> list[int]:
-    """For each response token, the one-token candidate prompt lookup would propose in its place from the text
-    before it (the prompt and the response so far), or -1 where no suffix of that text occurred earlier. Training
-    uses it to tell the fixed-point tokens lookup would supply from the rest (TrainConfig.consistency_copies)."""
-    if not prompt:
-        raise ValueError("lookup_candidates: the prompt must hold at least one token")
-    lookup = PromptLookup(max_ngram, 1, prompt[:-1])
-    candidates, last = [], prompt[-1]
-    for token in response:
-        candidates.append((lookup.propose(last, 1) or [-1])[0])
-        lookup.extend([last])
-        last = token
-    return candidates
