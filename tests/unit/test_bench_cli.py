@@ -296,3 +296,20 @@ def test_confidence_probe_reads_the_fixed_points_as_the_models_greedy_text_and_s
     assert figures["base"]["tokens_with_a_lookup_candidate"] == len(pairs) > 0
     assert figures["base"]["argmax_is_the_lookup"] == pytest.approx(sum(c == t for c, t in pairs) / len(pairs))
     assert (figures["base"]["departures"], figures["base"]["departures_to_the_lookup"]) == (0, None)
+
+
+def test_acceptance_probe_without_block_sizes_measures_noisy_accuracy_alone(tmp_path):
+    from bench import acceptance_probe
+    from jfcore.packing import PackingConfig
+    from tests.support.training_data import packed_data
+
+    base = save_tiny_checkpoint(tmp_path / "base", initializer_range=0.3)
+    packing = packed_data(base, tmp_path, prompts=12, heldout=PackingConfig(heldout_fraction=0.5, heldout_seed=1))
+    out = tmp_path / "probe.json"
+    acceptance_probe.main([str(packing), str(base), "--prompts", "4", "--block-sizes", "--out", str(out)])
+    figures = json.loads(out.read_text())["results"][str(base)]
+    for split in ("trained", "heldout"):
+        assert not any(k.startswith("simulated_tpf") for k in figures[split])
+        shares = figures[split]["copyable_share"]
+        assert 0 <= shares <= 1 and 0 <= figures[split]["noisy_accuracy"] <= 1
+        assert figures[split]["text_kept"] == 1.0  # the trajectories are this model's own greedy text
