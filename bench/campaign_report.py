@@ -334,6 +334,14 @@ def acceptance_lines(training: dict) -> list[str]:
     return lines
 
 
+ACCURACY_LINES = (  # held-out figure, marker, colour, label
+    ("heldout/noisy_accuracy", "o", "C0", "all"),
+    ("heldout/noisy_accuracy_at_0", "s", "C1", "offset 0"),
+    ("heldout/noisy_accuracy_uncopyable", "v", "C3", "uncopyable"),
+    ("heldout/text_kept", "^", "C2", "text kept"),
+)
+
+
 def plot_acceptance(training: dict, path: Path) -> bool:
     """Simulated TPF per block size, noisy accuracy (all, at offset 0, uncopyable) and text kept against training
     tokens, the stages of a curriculum one after another; False when no stage measured any."""
@@ -355,28 +363,10 @@ def plot_acceptance(training: dict, path: Path) -> bool:
                 ls=("-", "--", ":")[i % 3],
                 label=f"{stage} {name.removeprefix('heldout/simulated_tpf_')}",
             )
-        acc_ax.plot(
-            xs, [r.get("heldout/noisy_accuracy") for r in measured], marker="o", color="C0", label=f"{stage} all"
-        )
-        acc_ax.plot(
-            xs,
-            [r.get("heldout/noisy_accuracy_at_0") for r in measured],
-            marker="s",
-            color="C1",
-            label=f"{stage} offset 0",
-        )
-        if any("heldout/noisy_accuracy_uncopyable" in r for r in measured):  # what prompt lookup cannot supply
-            acc_ax.plot(
-                xs,
-                [r.get("heldout/noisy_accuracy_uncopyable") for r in measured],
-                marker="v",
-                color="C3",
-                label=f"{stage} uncopyable",
-            )
-        if any("heldout/text_kept" in r for r in measured):  # the drift beside the drafts: 1 = the text as it was
-            acc_ax.plot(
-                xs, [r.get("heldout/text_kept") for r in measured], marker="^", color="C2", label=f"{stage} text kept"
-            )
+        # Uncopyable: what prompt lookup cannot supply; text kept: the drift beside the drafts (1 = the text as it was).
+        for key, marker, color, label in ACCURACY_LINES:
+            if any(key in r for r in measured):
+                acc_ax.plot(xs, [r.get(key) for r in measured], marker=marker, color=color, label=f"{stage} {label}")
         before += sum(figures.get("tokens_by_step", []))
         drawn = drawn or bool(measured)
     tpf_ax.set(title="held-out simulated Jacobi TPF", xlabel="training tokens", ylabel="tokens per forward")

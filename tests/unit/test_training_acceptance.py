@@ -7,11 +7,23 @@ import pytest
 import torch
 
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.training import attention_mask, collate
 from jfcore.training.acceptance import Example, examples, measure, simulated_tpf
 from tests.support.tiny_models import position_model, tiny_model
 from tests.support.training_data import packed_row
 
 PROMPTS = [[7, 3, 9, 1, 4, 4, 2], [5, 6], [11, 12, 13, 40, 41]]
+
+
+def training_forward(model, row):
+    """The row's logits under the training mask, computed here rather than through acceptance."""
+    batch = collate([row], 0, None)
+    with torch.no_grad():
+        return model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=attention_mask(batch.streams, "sdpa", torch.float32),
+        ).logits[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -44,15 +56,7 @@ def test_noisy_accuracy_counts_the_students_argmax_against_the_fixed_point():
     assert examples([row]) == [Example(prompt, [20, 30, 31, 32, 33, 34, 35, 36, 37, 38])]
     result = measure(model, [row], [], tokens=64, pad_token_id=0, eos_token_id=None, attn="sdpa")
     # The same forward by hand: the noisy stream's argmax at k_j + t against l_j's token after t.
-    from jfcore.training import attention_mask, collate
-
-    batch = collate([row], 0, None)
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=attention_mask(batch.streams, "sdpa", torch.float32),
-        ).logits[0]
+    logits = training_forward(model, row)
     P, hits = len(prompt), {}
     for j, (d, (_, clean)) in enumerate(zip([1, 1], blocks[:2])):
         following = clean[1:] + [blocks[j + 1][1][0]]  # the fixed point's next token, across the block boundary
@@ -132,15 +136,7 @@ def test_noisy_accuracy_is_split_between_tokens_prompt_lookup_would_copy_and_the
     blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
     row = packed_row(prompt, blocks, mismatch=[0, 0], n=n)
     result = measure(model, [row], [], tokens=64, pad_token_id=0, eos_token_id=None, attn="sdpa")
-    from jfcore.training import attention_mask, collate
-
-    batch = collate([row], 0, None)
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=attention_mask(batch.streams, "sdpa", torch.float32),
-        ).logits[0]
+    logits = training_forward(model, row)
     hit = {
         (j, t): int(logits[3 + 2 * j * n + t].argmax()) == y
         for (j, t), y in zip([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)], [4, 5, 6, 3, 8])
