@@ -173,6 +173,12 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_256, "training.consistency_copies=skip"],
         "block-8-recipe without the consistency pairs whose token prompt lookup would copy",
     ),
+    # The drafts' gain comes with a bias to copy earlier text wrongly, which the text then shows as repetition
+    # (bench.confidence_probe); ask the clean stream not to (training.copy_unlikelihood).
+    "block-8-recipe+copy-penalty": (
+        [*RECIPE_256, "training.copy_unlikelihood=1.0"],
+        "block-8-recipe with the copy penalty (beta 1) on the clean stream",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

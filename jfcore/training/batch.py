@@ -20,6 +20,8 @@ Which logits count (a logit at a position predicts the next token of its stream)
 - Copyable pairs: those whose fixed-point token prompt lookup would propose from the clean text before it
   (jfcore.training.copies). Decoding gets those tokens without the model's drafts;
   `copy_pairs=False` leaves them out of L_pc (TrainConfig.consistency_copies), and acceptance counts them apart.
+- Wrong copies: for each AR target in the response, the token prompt lookup would propose in its place when that is
+  a different token: what a model biased to copy would say instead (TrainConfig.copy_unlikelihood).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PackedBatch:
     blocks: torch.Tensor  # [B, L] int32: j for k_j and l_j (their padding too), -1 for the prompt and row padding
     ar_positions: torch.Tensor  # [A] flat indices into B*L whose logits are scored ...
     ar_targets: torch.Tensor  # [A] ... against these tokens
+    ar_wrong_copies: torch.Tensor  # [A] lookup's candidate where it differs from the target, else IGNORE
     student_positions: torch.Tensor  # [C] flat indices of noisy logits ...
     teacher_positions: torch.Tensor  # [C] ... and of the clean logits they learn from
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
@@ -72,7 +75,7 @@ class PackedBatch:
 class _Row:
     streams: list[int]
     blocks: list[int]
-    ar: list[tuple[int, int]]  # (position, target token)
+    ar: list[tuple[int, int, int]]  # (position, target token, wrong copy or IGNORE)
     pairs: list[tuple[int, int, int, int, bool]]  # (student position, teacher position, offset, target, copyable)
     clean: list[int]  # the clean stream's positions, in order
 
@@ -101,12 +104,17 @@ def _layout(
     response = [ids[p] for p in clean_positions[response_start:]]
     eos_at = response.index(eos_token_id) if eos_token_id is not None and eos_token_id in response else len(response)
     last_target = response_start + eos_at  # index into clean_positions of the last scored target
+    copies = lookup_candidates(ids[:P], response) if P else [-1] * len(response)  # by response index
+
+    def wrong_copy(index: int) -> int:  # lookup's candidate for clean_positions[index]'s token, if another token
+        candidate = copies[index - P] if index >= P else -1
+        return candidate if candidate not in (-1, ids[clean_positions[index]]) else IGNORE
+
     first = 0 if ar_prompt else P - 1  # P - 1: the prompt's last token, which predicts the response's first
     ar = [
-        (clean_positions[i], ids[clean_positions[i + 1]])
+        (clean_positions[i], ids[clean_positions[i + 1]], wrong_copy(i + 1))
         for i in range(first, min(len(clean_positions) - 1, last_target))
     ]
-    copies = lookup_candidates(ids[:P], response) if P else [-1] * len(response)  # by response index
     pairs, seen = [], P  # `seen`: response tokens before block j
     for j in range(T):
         noisy, clean = P + 2 * j * n, P + (2 * j + 1) * n
@@ -161,7 +169,7 @@ def collate(
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
     blocks = torch.full((B, L), -1, dtype=torch.int32)
-    ar_pos, ar_tgt, student, teacher, weights, offsets, targets, copyable = [], [], [], [], [], [], [], []
+    ar_pos, ar_tgt, ar_wrong, student, teacher, weights, offsets, targets, copyable = ([] for _ in range(9))
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
@@ -173,8 +181,9 @@ def collate(
         clean_position_ids[b, : len(clean)] = position_ids[b, clean]
         clean_attention[b, : len(clean)] = 1
         clean_index[b * L + clean] = b * Lc + torch.arange(len(clean))
-        ar_pos += [b * L + p for p, _ in lay.ar]
-        ar_tgt += [t for _, t in lay.ar]
+        ar_pos += [b * L + p for p, _, _ in lay.ar]
+        ar_tgt += [t for _, t, _ in lay.ar]
+        ar_wrong += [w for _, _, w in lay.ar]
         student += [b * L + pair[0] for pair in lay.pairs]
         teacher += [b * L + pair[1] for pair in lay.pairs]
         offsets += [pair[2] for pair in lay.pairs]
@@ -189,6 +198,7 @@ def collate(
         blocks=blocks,
         ar_positions=torch.tensor(ar_pos, dtype=torch.long),
         ar_targets=torch.tensor(ar_tgt, dtype=torch.long),
+        ar_wrong_copies=torch.tensor(ar_wrong, dtype=torch.long),
         student_positions=torch.tensor(student, dtype=torch.long),
         teacher_positions=torch.tensor(teacher, dtype=torch.long),
         pair_weights=torch.tensor(weights, dtype=torch.float32),

@@ -20,6 +20,11 @@ With a margin (TrainConfig.ar_loss "margin", either teacher) L_AR asks only that
 stay the fixed point's token, by `margin` logits over the next best: the mean over those positions of
 max(0, margin - (z_target - max_{v != target} z_v)). It is 0 wherever that holds, so it keeps the greedy text and
 leaves the rest of the distribution to the consistency term.
+
+With a copy penalty (TrainConfig.copy_unlikelihood, beta) L gains beta * L_copy: over the scored clean positions
+whose target differs from the token prompt lookup would propose there (a wrong copy of earlier text), the mean of
+-log(1 - p(wrong copy)). Trained models learn to put probability on such copies, and their greedy text repeats
+itself (docs/TRAINING.md); this unlikelihood term asks the clean stream not to, and nothing of the noisy one.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Losses:
     total: torch.Tensor
     ar: torch.Tensor
     consistency: torch.Tensor
+    copy: torch.Tensor
 
 
 def ar_loss(
@@ -56,6 +62,20 @@ def ar_loss(
         return F.cross_entropy(student, batch.ar_targets)
     teacher = F.log_softmax(frozen[batch.clean_index[batch.ar_positions]].detach().float(), dim=-1)
     return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
+
+
+def copy_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Mean -log(1 - p(wrong copy)) over the scored clean positions that have one (0 where none has)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    wrong = batch.ar_wrong_copies.to(flat.device)
+    has = wrong != IGNORE
+    if not bool(has.any()):
+        return flat.sum() * 0.0
+    z = flat[batch.ar_positions.to(flat.device)[has]].float()
+    copied = wrong[has][:, None]
+    # log(1 - p(c)) = logsumexp over every token but c - logsumexp over all: exact where p(c) is near 1.
+    rest = torch.logsumexp(z.scatter(1, copied, float("-inf")), dim=-1)
+    return (torch.logsumexp(z, dim=-1) - rest).mean()
 
 
 def consistency_loss(
@@ -87,11 +107,14 @@ def jacobi_forcing_loss(
     target: ConsistencyTarget = "clean",
     frozen: torch.Tensor | None = None,
     margin: float | None = None,
+    copy_weight: float = 0.0,
 ) -> Losses:
     """`frozen`: a frozen teacher's logits over the clean stream ([B, Lc, V] or flat), or None: the model's own.
-    `margin`: L_AR as the argmax hinge with that margin instead of the likelihood."""
+    `margin`: L_AR as the argmax hinge with that margin instead of the likelihood. `copy_weight`: beta of L_copy."""
     if frozen is not None:
         frozen = frozen.reshape(-1, frozen.shape[-1])
     ar = ar_loss(logits, batch, frozen, margin)
     pc = consistency_loss(logits, batch, temperature, target, frozen)
-    return Losses(total=pc + ar_weight * ar, ar=ar.detach(), consistency=pc.detach())
+    copy = copy_loss(logits, batch)
+    total = pc + ar_weight * ar + (copy_weight * copy if copy_weight else 0.0)
+    return Losses(total=total, ar=ar.detach(), consistency=pc.detach(), copy=copy.detach())

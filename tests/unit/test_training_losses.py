@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -218,3 +219,45 @@ def test_pairs_whose_token_prompt_lookup_would_copy_are_flagged_and_can_be_left_
     for copies, expected in (("keep", kept), ("skip", skipped)):
         config = TrainConfig(data="d", output_dir="o", consistency_copies=copies)
         assert collate_for(config, [row], PADID, EOS).student_positions.tolist() == expected.student_positions.tolist()
+
+
+def test_the_copy_penalty_scores_only_positions_where_lookup_would_copy_a_wrong_token():
+    # The same text 1 4 5 | 6 4 5 | 6 3 8: lookup's candidates for the response are none, none, 5, 6, 4, none, and
+    # only the 4 offered in place of the 3 is wrong (5 and 6 are the text's own next tokens).
+    blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
+    row = packed_row([1, 4, 5], blocks, mismatch=[0, 0], n=3)
+    batch = collate([row], PADID, EOS, ar_prompt=False)
+    assert batch.ar_targets.tolist() == [6, 4, 5, 6, 3, 8]
+    assert batch.ar_wrong_copies.tolist() == [IGNORE] * 4 + [4, IGNORE]
+    # The prompt's own pairs never carry one: nothing before them to copy from within the response.
+    with_prompt = collate([row], PADID, EOS, ar_prompt=True)
+    assert with_prompt.ar_wrong_copies.tolist() == [IGNORE] * 6 + [4, IGNORE]
+
+    logits = leaf_logits(batch, seed=3)
+    at = batch.ar_positions[4].item()
+    p_copy = F.softmax(logits.detach().reshape(-1, V)[at], dim=-1)[4]
+    plain = jacobi_forcing_loss(logits, batch, ar_weight=0.5, temperature=1.0)
+    penalized = jacobi_forcing_loss(logits, batch, ar_weight=0.5, temperature=1.0, copy_weight=2.0)
+    assert penalized.copy.item() == pytest.approx(-torch.log1p(-p_copy).item(), rel=1e-5)
+    assert plain.copy.item() == penalized.copy.item()  # measured either way, added only when weighted
+    assert penalized.total.item() == pytest.approx(plain.total.item() + 2.0 * penalized.copy.item(), rel=1e-6)
+    # Its gradient reaches that clean position alone, and lowers the copy's logit.
+    (penalized.total - plain.total).backward()
+    graded = logits.grad.reshape(-1, V).abs().sum(-1).nonzero().flatten().tolist()
+    assert graded == [at]
+    assert logits.grad.reshape(-1, V)[at, 4] > 0
+
+
+def test_a_batch_with_no_wrong_copy_adds_no_copy_penalty_and_keeps_the_graph():
+    batch = collate([packed_row([1, 9], [([3, 4, 5], [3, 4, 5])], mismatch=[3], n=3)], PADID, EOS)
+    assert (batch.ar_wrong_copies == IGNORE).all()
+    logits = leaf_logits(batch)
+    losses = jacobi_forcing_loss(logits, batch, ar_weight=1.0, temperature=1.0, copy_weight=1.0)
+    assert losses.copy.item() == 0.0
+    losses.total.backward()  # the AR term still trains
+    assert logits.grad.abs().sum() > 0
+
+
+def test_the_copy_penalty_weight_is_checked_at_load():
+    with pytest.raises(ValueError, match="copy_unlikelihood: must be >= 0"):
+        TrainConfig(data="d", output_dir="o", copy_unlikelihood=-1.0)
