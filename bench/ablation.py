@@ -179,6 +179,12 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_256, "training.copy_unlikelihood=1.0"],
         "block-8-recipe with the copy penalty (beta 1) on the clean stream",
     ),
+    # With the copy penalty, the text still falls into short loops (a newline after a newline) on prompts unlike the
+    # training ones; ask the clean stream not to repeat its last few tokens where it goes on (training.repeat_unlikelihood).
+    "block-8-recipe+copy-and-repeat-penalties": (
+        [*RECIPE_256, "training.copy_unlikelihood=1.0", "training.repeat_unlikelihood=2.0"],
+        "block-8-recipe with the copy penalty (beta 1) and the repeat penalty (beta 2) on the clean stream",
+    ),
     "on-policy": (
         ["model.name_or_path={base}/final", "prompts.limit=256"],
         "base, then a second round on trajectories its model made (256 prompts)",

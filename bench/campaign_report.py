@@ -141,8 +141,11 @@ def training_figures(plan: StagePlan, peak_flops: float | None) -> dict:
     figures: dict = {
         "steps": len(rows),
         "tokens_by_step": [r["tokens"] for r in rows],
-        # [step, loss, ar_loss, consistency_loss, copy_loss]; runs from before copy_loss existed give None
-        "loss": [[r["step"], r["loss"], r["ar_loss"], r["consistency_loss"], r.get("copy_loss")] for r in rows],
+        # [step, loss, ar_loss, consistency_loss, copy_loss, repeat_loss]; older runs give None for the penalties
+        "loss": [
+            [r["step"], r["loss"], r["ar_loss"], r["consistency_loss"], r.get("copy_loss"), r.get("repeat_loss")]
+            for r in rows
+        ],
         "acceptance": read_metrics(run / ACCEPTANCE),
     }
     if rows:

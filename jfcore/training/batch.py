@@ -22,6 +22,9 @@ Which logits count (a logit at a position predicts the next token of its stream)
   `copy_pairs=False` leaves them out of L_pc (TrainConfig.consistency_copies), and acceptance counts them apart.
 - Wrong copies: for each AR target in the response, the token prompt lookup would propose in its place when that is
   a different token: what a model biased to copy would say instead (TrainConfig.copy_unlikelihood).
+- Recent tokens: for each AR target, the last `REPEAT_WINDOW` clean-stream tokens up to its scoring position that
+  differ from it, each once: what a model caught in a short loop (newline after newline, ",,,,") would say instead
+  (TrainConfig.repeat_unlikelihood).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
 
 PAD, PROMPT, NOISY, CLEAN = -1, 0, 1, 2
 IGNORE = -100  # a pair target with no token: cross-entropy's ignore_index
+# Loops of up to this many tokens are what the repeat penalty's candidates cover. The trained models' loops that
+# were measured repeat one token (a newline, ",", "]") or two ("(" and a newline): docs/TRAINING.md, "Losses".
+REPEAT_WINDOW = 4
 
 
 @dataclass
@@ -50,6 +56,7 @@ class PackedBatch:
     ar_positions: torch.Tensor  # [A] flat indices into B*L whose logits are scored ...
     ar_targets: torch.Tensor  # [A] ... against these tokens
     ar_wrong_copies: torch.Tensor  # [A] lookup's candidate where it differs from the target, else IGNORE
+    ar_recent: torch.Tensor  # [A, REPEAT_WINDOW] recent tokens other than the target, newest first, then IGNORE
     student_positions: torch.Tensor  # [C] flat indices of noisy logits ...
     teacher_positions: torch.Tensor  # [C] ... and of the clean logits they learn from
     pair_weights: torch.Tensor  # [C] float: 1 / (kept pairs of its row * T of its row * B)
@@ -75,7 +82,7 @@ class PackedBatch:
 class _Row:
     streams: list[int]
     blocks: list[int]
-    ar: list[tuple[int, int, int]]  # (position, target token, wrong copy or IGNORE)
+    ar: list[tuple[int, int, int, list[int]]]  # (position, target token, wrong copy or IGNORE, recent tokens)
     pairs: list[tuple[int, int, int, int, bool]]  # (student position, teacher position, offset, target, copyable)
     clean: list[int]  # the clean stream's positions, in order
 
@@ -110,9 +117,15 @@ def _layout(
         candidate = copies[index - P] if index >= P else -1
         return candidate if candidate not in (-1, ids[clean_positions[index]]) else IGNORE
 
+    def recent(index: int) -> list[int]:  # the tokens up to clean_positions[index] a loop would repeat there
+        target = ids[clean_positions[index + 1]]
+        window = (ids[clean_positions[k]] for k in range(index, max(-1, index - REPEAT_WINDOW), -1))
+        found = list(dict.fromkeys(token for token in window if token != target))
+        return found + [IGNORE] * (REPEAT_WINDOW - len(found))
+
     first = 0 if ar_prompt else P - 1  # P - 1: the prompt's last token, which predicts the response's first
     ar = [
-        (clean_positions[i], ids[clean_positions[i + 1]], wrong_copy(i + 1))
+        (clean_positions[i], ids[clean_positions[i + 1]], wrong_copy(i + 1), recent(i))
         for i in range(first, min(len(clean_positions) - 1, last_target))
     ]
     pairs, seen = [], P  # `seen`: response tokens before block j
@@ -169,7 +182,7 @@ def collate(
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
     blocks = torch.full((B, L), -1, dtype=torch.int32)
-    ar_pos, ar_tgt, ar_wrong, student, teacher, weights, offsets, targets, copyable = ([] for _ in range(9))
+    ar_pos, ar_tgt, ar_wrong, ar_recent, student, teacher, weights, offsets, targets, copyable = ([] for _ in range(10))
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
@@ -181,9 +194,10 @@ def collate(
         clean_position_ids[b, : len(clean)] = position_ids[b, clean]
         clean_attention[b, : len(clean)] = 1
         clean_index[b * L + clean] = b * Lc + torch.arange(len(clean))
-        ar_pos += [b * L + p for p, _, _ in lay.ar]
-        ar_tgt += [t for _, t, _ in lay.ar]
-        ar_wrong += [w for _, _, w in lay.ar]
+        ar_pos += [b * L + p for p, _, _, _ in lay.ar]
+        ar_tgt += [t for _, t, _, _ in lay.ar]
+        ar_wrong += [w for _, _, w, _ in lay.ar]
+        ar_recent += [r for _, _, _, r in lay.ar]
         student += [b * L + pair[0] for pair in lay.pairs]
         teacher += [b * L + pair[1] for pair in lay.pairs]
         offsets += [pair[2] for pair in lay.pairs]
@@ -199,6 +213,7 @@ def collate(
         ar_positions=torch.tensor(ar_pos, dtype=torch.long),
         ar_targets=torch.tensor(ar_tgt, dtype=torch.long),
         ar_wrong_copies=torch.tensor(ar_wrong, dtype=torch.long),
+        ar_recent=torch.tensor(ar_recent, dtype=torch.long).reshape(-1, REPEAT_WINDOW),
         student_positions=torch.tensor(student, dtype=torch.long),
         teacher_positions=torch.tensor(teacher, dtype=torch.long),
         pair_weights=torch.tensor(weights, dtype=torch.float32),

@@ -103,6 +103,10 @@ class TrainConfig:
     # otherwise, on the clean stream (jfcore/training/losses.py). The drafts' gain comes with a bias to copy
     # earlier text, which makes the greedy text repeat itself; 0 leaves it free (docs/TRAINING.md, "Losses").
     copy_unlikelihood: float = 0.0
+    # beta_r of the repeat penalty L_repeat: -log(1 - p) of the last few tokens (other than the next one) on the
+    # clean stream. Trained models fall into short loops, a newline after a newline, where their text goes on, most
+    # on prompts unlike their training ones; 0 leaves it free (docs/TRAINING.md, "Losses").
+    repeat_unlikelihood: float = 0.0
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attention: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
     gradient_checkpointing: bool = False
@@ -152,6 +156,10 @@ class TrainConfig:
         check(self.max_grad_norm >= 0, f"TrainConfig.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         check(self.ar_weight >= 0, f"TrainConfig.ar_weight: must be >= 0, got {self.ar_weight}")
         check(self.copy_unlikelihood >= 0, f"TrainConfig.copy_unlikelihood: must be >= 0, got {self.copy_unlikelihood}")
+        check(
+            self.repeat_unlikelihood >= 0,
+            f"TrainConfig.repeat_unlikelihood: must be >= 0, got {self.repeat_unlikelihood}",
+        )
         check(self.ar_margin > 0, f"TrainConfig.ar_margin: must be > 0 (logits), got {self.ar_margin}")
         check(self.temperature > 0, f"TrainConfig.temperature: must be > 0, got {self.temperature}")
         check(

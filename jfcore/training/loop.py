@@ -193,7 +193,7 @@ def train_step(t: Trainer, step: int) -> dict:
     config, engine, device = t.config, t.engine, t.device
     began = time.perf_counter()
     lr = t.scheduler.get_last_lr()[0]  # the rate this step applies
-    losses_sum = torch.zeros(4, device=device)  # total, ar, consistency, copy: summed on the device, read once
+    losses_sum = torch.zeros(5, device=device)  # total, ar, consistency, copy, repeat: summed on the device, read once
     tokens = 0
     for micro in range(config.gradient_accumulation_steps):
         rows = t.data.take(t.order.rows(step, micro, t.rank))
@@ -214,18 +214,20 @@ def train_step(t: Trainer, step: int) -> dict:
             frozen,
             margin,
             config.copy_unlikelihood,
+            config.repeat_unlikelihood,
         )
         engine.backward(losses.total)
         if micro == config.gradient_accumulation_steps - 1:
             own_norm = _plain_grad_norm(engine)
         engine.step()
-        losses_sum += torch.stack([losses.total.detach(), losses.ar, losses.consistency, losses.copy]).float()
+        parts = (losses.total.detach(), losses.ar, losses.consistency, losses.copy, losses.repeat)
+        losses_sum += torch.stack(parts).float()
         tokens += batch.tokens
     # On the training device: NCCL reduces only CUDA tensors.
     sums = torch.cat([losses_sum.double(), torch.tensor([tokens], dtype=torch.float64, device=device)])
     dist.all_reduce(sums)
     sums = sums.cpu()
-    parts = sums[:4] / (t.world * config.gradient_accumulation_steps)
+    parts = sums[:5] / (t.world * config.gradient_accumulation_steps)
     grad_norm = engine.get_global_grad_norm()
     grad_norm = own_norm if grad_norm is None else grad_norm
     return {
@@ -233,10 +235,11 @@ def train_step(t: Trainer, step: int) -> dict:
         "ar_loss": parts[1].item(),
         "consistency_loss": parts[2].item(),
         "copy_loss": parts[3].item(),
+        "repeat_loss": parts[4].item(),
         "learning_rate": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "tokens_per_second": sums[4].item() / (time.perf_counter() - began),
-        "tokens": int(sums[4].item()),
+        "tokens_per_second": sums[5].item() / (time.perf_counter() - began),
+        "tokens": int(sums[5].item()),
     }
 
 
@@ -409,7 +412,8 @@ class _Progress:
             self.last = now
             print(
                 f"step {step}/{self.total}: loss {metrics['loss']:.3f} (ar {metrics['ar_loss']:.3f}, consistency "
-                f"{metrics['consistency_loss']:.3f}, copy {metrics['copy_loss']:.3f}), "
+                f"{metrics['consistency_loss']:.3f}, copy {metrics['copy_loss']:.3f}, "
+                f"repeat {metrics['repeat_loss']:.3f}), "
                 f"lr {metrics['learning_rate']:.2e}, "
                 f"{metrics['tokens_per_second']:.0f} tokens/s, ETA {self._eta(now) / 60:.1f} min"
                 + (f"; held-out {self.acceptance}" if self.acceptance else ""),

@@ -25,6 +25,11 @@ With a copy penalty (TrainConfig.copy_unlikelihood, beta) L gains beta * L_copy:
 whose target differs from the token prompt lookup would propose there (a wrong copy of earlier text), the mean of
 -log(1 - p(wrong copy)). Trained models learn to put probability on such copies, and their greedy text repeats
 itself (docs/TRAINING.md); this unlikelihood term asks the clean stream not to, and nothing of the noisy one.
+
+With a repeat penalty (TrainConfig.repeat_unlikelihood, beta_r) L gains beta_r * L_repeat: over the scored clean
+positions, the mean of -log(1 - p(C)), C the last few tokens up to the position other than its target (batch.py,
+REPEAT_WINDOW). Trained models fall into short loops (a newline after a newline, ",,,,") where the text goes on;
+this asks the clean stream to keep its loops where its text has them, and nothing of the noisy one.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Losses:
     ar: torch.Tensor
     consistency: torch.Tensor
     copy: torch.Tensor
+    repeat: torch.Tensor
 
 
 def ar_loss(
@@ -64,18 +70,30 @@ def ar_loss(
     return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
 
 
+def _unlikelihood(logits: torch.Tensor, batch: PackedBatch, candidates: torch.Tensor) -> torch.Tensor:
+    """Mean -log(1 - p(C)) over the scored clean positions, C the row of `candidates` ([A, K], IGNORE-padded after
+    the real ones) at each; positions with no candidate are left out (0 where none has one)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    candidates = candidates.to(flat.device)
+    has = candidates[:, 0] != IGNORE
+    if not bool(has.any()):
+        return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
+    z = flat[batch.ar_positions.to(flat.device)[has]].float()
+    chosen = candidates[has]
+    chosen = torch.where(chosen == IGNORE, chosen[:, :1], chosen)  # padding repeats the first: the same set
+    # log(1 - p(C)) = logsumexp over the tokens outside C - logsumexp over all: exact where p(C) is near 1.
+    rest = torch.logsumexp(z.scatter(1, chosen, float("-inf")), dim=-1)
+    return (torch.logsumexp(z, dim=-1) - rest).mean()
+
+
 def copy_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """Mean -log(1 - p(wrong copy)) over the scored clean positions that have one (0 where none has)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    wrong = batch.ar_wrong_copies.to(flat.device)
-    has = wrong != IGNORE
-    if not bool(has.any()):
-        return flat.sum() * 0.0
-    z = flat[batch.ar_positions.to(flat.device)[has]].float()
-    copied = wrong[has][:, None]
-    # log(1 - p(c)) = logsumexp over every token but c - logsumexp over all: exact where p(c) is near 1.
-    rest = torch.logsumexp(z.scatter(1, copied, float("-inf")), dim=-1)
-    return (torch.logsumexp(z, dim=-1) - rest).mean()
+    return _unlikelihood(logits, batch, batch.ar_wrong_copies[:, None])
+
+
+def repeat_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Mean -log(1 - p(recent tokens other than the target)) over the scored clean positions."""
+    return _unlikelihood(logits, batch, batch.ar_recent)
 
 
 def consistency_loss(
@@ -108,13 +126,16 @@ def jacobi_forcing_loss(
     frozen: torch.Tensor | None = None,
     margin: float | None = None,
     copy_weight: float = 0.0,
+    repeat_weight: float = 0.0,
 ) -> Losses:
     """`frozen`: a frozen teacher's logits over the clean stream ([B, Lc, V] or flat), or None: the model's own.
-    `margin`: L_AR as the argmax hinge with that margin instead of the likelihood. `copy_weight`: beta of L_copy."""
+    `margin`: L_AR as the argmax hinge with that margin instead of the likelihood. `copy_weight`: beta of L_copy;
+    `repeat_weight`: beta_r of L_repeat. Both penalties are measured whatever their weights, for the logs."""
     if frozen is not None:
         frozen = frozen.reshape(-1, frozen.shape[-1])
     ar = ar_loss(logits, batch, frozen, margin)
     pc = consistency_loss(logits, batch, temperature, target, frozen)
-    copy = copy_loss(logits, batch)
+    copy, repeat = copy_loss(logits, batch), repeat_loss(logits, batch)
     total = pc + ar_weight * ar + (copy_weight * copy if copy_weight else 0.0)
-    return Losses(total=total, ar=ar.detach(), consistency=pc.detach(), copy=copy.detach())
+    total = total + (repeat_weight * repeat if repeat_weight else 0.0)
+    return Losses(total=total, ar=ar.detach(), consistency=pc.detach(), copy=copy.detach(), repeat=repeat.detach())

@@ -86,7 +86,9 @@ def test_every_stage_runs_without_servers_and_the_report_reads_what_they_wrote(s
     assert "Starting temporary server" in out  # Prefect's own, for this run only: no server was started beforehand
     assert "Started a local Ray" not in out  # the recipe runs each stage's worker in this process
     assert not list(work.rglob("mlflow_run.json"))  # no tracking: nothing was logged anywhere
-    assert re.search(r"step 4/4: loss [\d.]+ \(ar [\d.]+, consistency [\d.]+, copy [\d.]+\), .* tokens/s, ETA", out)
+    assert re.search(
+        r"step 4/4: loss [\d.]+ \(ar [\d.]+, consistency [\d.]+, copy [\d.]+, repeat [\d.]+\), .* tokens/s, ETA", out
+    )
     assert re.search(r"shard 2/2 done: shard-00001.parquet, \d+ rows \(\d+ s, ETA 0 s\)", out)
     stages = ["trajectories", "packing", "training"]
     assert timings(work) == [f"{s}/{c}" for c in ("n4", "n8") for s in stages] + [

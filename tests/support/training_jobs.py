@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jfcore.hostspeed import scaled
 
-CURVE = ("loss", "ar_loss", "consistency_loss", "copy_loss", "grad_norm", "learning_rate")
+CURVE = ("loss", "ar_loss", "consistency_loss", "copy_loss", "repeat_loss", "grad_norm", "learning_rate")
 
 
 def curve(run_dir: Path) -> list[dict]:

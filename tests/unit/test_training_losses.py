@@ -261,3 +261,56 @@ def test_a_batch_with_no_wrong_copy_adds_no_copy_penalty_and_keeps_the_graph():
 def test_the_copy_penalty_weight_is_checked_at_load():
     with pytest.raises(ValueError, match="copy_unlikelihood: must be >= 0"):
         TrainConfig(data="d", output_dir="o", copy_unlikelihood=-1.0)
+
+
+def test_the_repeat_penalty_scores_the_last_few_tokens_other_than_the_target_at_every_clean_position():
+    # Clean stream 1 4 5 | 6 4 5 | 6 3 8 (prompt 1 4 5). Each scored position's candidates are the last 4 tokens up to
+    # it, newest first, each once, without the token the text goes on with.
+    blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
+    batch = collate([packed_row([1, 4, 5], blocks, mismatch=[0, 0], n=3)], PADID, EOS, ar_prompt=False)
+    assert batch.ar_targets.tolist() == [6, 4, 5, 6, 3, 8]
+    assert batch.ar_recent.tolist() == [
+        [5, 4, 1, IGNORE],
+        [6, 5, 1, IGNORE],  # 4 is the target
+        [4, 6, IGNORE, IGNORE],  # 5 is the target, 4 counted once
+        [5, 4, IGNORE, IGNORE],
+        [6, 5, 4, IGNORE],
+        [3, 6, 5, 4],
+    ]
+
+    logits = leaf_logits(batch, seed=4)
+    probs = F.softmax(logits.detach().reshape(-1, V)[batch.ar_positions], dim=-1)
+    expected = [
+        -torch.log1p(-sum(probs[i, c] for c in row if c != IGNORE)) for i, row in enumerate(batch.ar_recent.tolist())
+    ]
+    plain = jacobi_forcing_loss(logits, batch, ar_weight=0.5, temperature=1.0)
+    penalized = jacobi_forcing_loss(logits, batch, ar_weight=0.5, temperature=1.0, repeat_weight=3.0)
+    assert penalized.repeat.item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
+    assert plain.repeat.item() == penalized.repeat.item()  # measured either way, added only when weighted
+    assert penalized.total.item() == pytest.approx(plain.total.item() + 3.0 * penalized.repeat.item(), rel=1e-6)
+    # Its gradient lowers every candidate's logit at its position and raises the target's.
+    (penalized.total - plain.total).backward()
+    grad = logits.grad.reshape(-1, V)[batch.ar_positions]
+    for i, (row, target) in enumerate(zip(batch.ar_recent.tolist(), batch.ar_targets.tolist())):
+        assert all(grad[i, c] > 0 for c in row if c != IGNORE)
+        assert grad[i, target] < 0
+
+
+def test_the_repeat_penalty_leaves_alone_the_loops_the_text_itself_makes():
+    # The text 7 7 7 after the prompt 1: the loop is the text, so 7 is never a candidate; only the 1 before it is.
+    batch = collate([packed_row([1], [([9, 9, 9], [7, 7, 7])], mismatch=[0], n=3)], PADID, EOS, ar_prompt=False)
+    assert batch.ar_targets.tolist() == [7, 7, 7]
+    assert batch.ar_recent.tolist() == [[1, IGNORE, IGNORE, IGNORE]] * 3
+    # A target with nothing before it but itself has no candidate, and the penalty keeps the graph.
+    alone = collate([packed_row([7], [([9], [7])], mismatch=[0], n=1)], PADID, EOS, ar_prompt=False)
+    assert alone.ar_recent.tolist() == [[IGNORE] * 4]
+    logits = leaf_logits(alone)
+    losses = jacobi_forcing_loss(logits, alone, ar_weight=1.0, temperature=1.0, repeat_weight=1.0)
+    assert losses.repeat.item() == 0.0
+    losses.total.backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_the_repeat_penalty_weight_is_checked_at_load():
+    with pytest.raises(ValueError, match="repeat_unlikelihood: must be >= 0"):
+        TrainConfig(data="d", output_dir="o", repeat_unlikelihood=-0.5)

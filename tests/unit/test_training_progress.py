@@ -12,6 +12,7 @@ METRICS = {
     "ar_loss": 1.5,
     "consistency_loss": 0.5,
     "copy_loss": 0.25,
+    "repeat_loss": 0.125,
     "learning_rate": 1e-4,
     "tokens_per_second": 99.0,
 }
@@ -35,6 +36,9 @@ def test_a_long_step_gets_heartbeats_with_an_eta_and_the_launcher_reads_only_fin
     )
     assert [int(loop.PROGRESS_LINE.match(line)["done"]) for line in steps] == [5, 10]
     assert not any(loop.PROGRESS_LINE.match(b) for b in beats)  # the progress artifact counts finished steps only
-    first = r"step 5/10: loss 2\.000 \(ar 1\.500, consistency 0\.500, copy 0\.250\), lr 1\.00e-04, 99 tokens/s, ETA [\d.]+ min"
+    first = (
+        r"step 5/10: loss 2\.000 \(ar 1\.500, consistency 0\.500, copy 0\.250, repeat 0\.125\), lr 1\.00e-04, "
+        r"99 tokens/s, ETA [\d.]+ min"
+    )
     assert re.fullmatch(first, steps[0]), steps[0]
     assert lines[-1] == steps[-1] and steps[-1].endswith("ETA 0.0 min")
