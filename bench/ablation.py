@@ -33,7 +33,7 @@ MEMORISE = [
     "training.lr_schedule=constant",
 ]
 # name -> (overrides, what it varies). The recipe's own settings are `base`.
-RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m overrides its amounts (later overrides win)
+RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m and recipe-penalties override its amounts (later win)
     "training.ar_weight=0.1",
     "training.consistency_offsets=2",
     "packing.max_noise=0.5",
@@ -128,12 +128,25 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         RECIPE_2H,
         "lambda 0.1, offsets 0-1, noise <= 0.5, 6 states per block, constant lr 1e-4, 1400 steps (about 2 h)",
     ),
-    # The shipped recipe (configs/campaign/cpu-2h.yaml): recipe-2h on half the prompts, each in 9 noisy states, for
-    # 1000 steps: 72 minutes instead of 98, drafts a little below recipe-2h's (held out, Jacobi n = 8: 1.55 against
-    # 1.65), and the one measured beside the base model (bench/published/recipe-cpu-2026-12-01).
+    # recipe-2h on half the prompts, each in 9 noisy states, for 1000 steps: 72 minutes instead of 98, drafts a little
+    # below recipe-2h's (held out, Jacobi n = 8: 1.55 against 1.65), measured beside the base model
+    # (bench/published/recipe-cpu-2026-12-01), and its text repeats itself past the registry gate.
     "recipe-72m": (
         [*RECIPE_2H, "prompts.limit=512", "packing.samples_per_prompt=9", "training.max_steps=1000"],
-        "recipe-2h on 512 prompts, 9 states per block, 1000 steps (72 min): configs/campaign/cpu-2h.yaml",
+        "recipe-2h on 512 prompts, 9 states per block, 1000 steps (72 min)",
+    ),
+    # The shipped recipe (configs/campaign/cpu-2h.yaml): recipe-72m for 600 steps with the copy and repeat penalties,
+    # the first to draft at its level inside the gate (bench/published/repeat-penalty-cpu-2026-12-06).
+    "recipe-penalties": (
+        [
+            *RECIPE_2H,
+            "prompts.limit=512",
+            "packing.samples_per_prompt=9",
+            "training.max_steps=600",
+            "training.copy_unlikelihood=1.0",
+            "training.repeat_unlikelihood=2.0",
+        ],
+        "recipe-72m for 600 steps with the copy (beta 1) and repeat (beta 2) penalties: configs/campaign/cpu-2h.yaml",
     ),
     # The block size again, with the recipe's objective instead of the base's.
     "block-8-recipe": (RECIPE_256, "recipe-2h's objective at n = 8 (256 prompts), 200 steps"),

@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 NGRAM = 4
+# A completion "ends in a short loop" when its last LOOP_RUN tokens repeat with a period of at most LOOP_PERIOD: a
+# newline after a newline, ",,,,", "(" and a newline by turns. That is how the trained models' code answers end when
+# they stop closing their code block (docs/TRAINING.md, "Losses"); the 4-gram share counts it only as part of the rest.
+LOOP_PERIOD = 2
+LOOP_RUN = 8
 
 
 def repeated_share(tokens: Sequence[int], n: int = NGRAM) -> float:
@@ -22,3 +27,11 @@ def repeated_share(tokens: Sequence[int], n: int = NGRAM) -> float:
         repeated += gram in seen
         seen.add(gram)
     return repeated / max(len(tokens) - n + 1, 1)
+
+
+def ends_in_short_loop(tokens: Sequence[int], period: int = LOOP_PERIOD, run: int = LOOP_RUN) -> bool:
+    """Whether the last `run` tokens (and `period` more) repeat with some period of at most `period`."""
+    tail = list(tokens[-(run + period) :])
+    return len(tail) == run + period and any(
+        all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, period + 1)
+    )

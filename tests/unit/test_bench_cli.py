@@ -233,6 +233,18 @@ def test_text_repetition_counts_the_4grams_a_completion_repeats():
     assert repeated_share(list(range(12))) == 0.0 and repeated_share([1, 2]) == 0.0
 
 
+def test_a_completion_ends_in_a_short_loop_when_its_last_tokens_repeat_with_period_one_or_two():
+    from jfcore.evaluation.repetition import ends_in_short_loop
+
+    text = list(range(20))
+    assert ends_in_short_loop(text + [198] * 10)  # newline after newline
+    assert ends_in_short_loop(text + [7, 198] * 5)  # two tokens by turns
+    assert not ends_in_short_loop(text + [198] * 9)  # one token short of the run
+    assert not ends_in_short_loop(text + [1, 2, 3] * 4)  # period 3: a 4-gram repeat, not a short loop
+    assert not ends_in_short_loop([198] * 10 + text)  # a loop that the text leaves counts only in the 4-gram share
+    assert not ends_in_short_loop([5] * 5)  # too short to tell
+
+
 def test_own_drafts_counts_every_family_and_checks_it_against_ar(tiny, capsys):
     from bench import own_drafts
 
@@ -313,3 +325,23 @@ def test_acceptance_probe_without_block_sizes_measures_noisy_accuracy_alone(tmp_
         shares = figures[split]["copyable_share"]
         assert 0 <= shares <= 1 and 0 <= figures[split]["noisy_accuracy"] <= 1
         assert figures[split]["text_kept"] == 1.0  # the trajectories are this model's own greedy text
+
+
+def test_the_repeat_probe_measures_what_the_training_repeat_penalty_does_on_the_same_text():
+    from bench.repeat_probe import repeat_measures
+    from jfcore.training import collate
+    from jfcore.training.losses import repeat_loss
+    from tests.support.training_data import packed_row
+
+    # Clean stream 1 4 5 6 4 5 6 3 8, prompt 1 4 5: the probe reads it as one sequence, training as a packed row.
+    blocks = [([9, 9, 9], [6, 4, 5]), ([9, 9, 9], [6, 3, 8])]
+    batch = collate([packed_row([1, 4, 5], blocks, mismatch=[0, 0], n=3)], 0, 2, ar_prompt=False)
+    torch.manual_seed(0)
+    logits = torch.randn(*batch.input_ids.shape, 11)
+    flat = logits.reshape(-1, 11)
+    on_clean = (batch.clean_index >= 0).nonzero()[:, 0]
+    clean = flat[on_clean[batch.clean_index[on_clean].argsort()]]
+    ids = [1, 4, 5, 6, 4, 5, 6, 3, 8]
+    measures = repeat_measures(torch.log_softmax(clean, -1), ids, start=2)
+    assert len(measures) == 6
+    assert sum(measures) / 6 == pytest.approx(repeat_loss(logits, batch).item(), rel=1e-5)
