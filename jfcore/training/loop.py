@@ -220,8 +220,8 @@ def train_step(t: Trainer, step: int) -> dict:
         if micro == config.gradient_accumulation_steps - 1:
             own_norm = _plain_grad_norm(engine)
         engine.step()
-        parts = (losses.total.detach(), losses.ar, losses.consistency, losses.copy, losses.repeat)
-        losses_sum += torch.stack(parts).float()
+        measured = (losses.total.detach(), losses.ar, losses.consistency, losses.copy, losses.repeat)
+        losses_sum += torch.stack(measured).float()
         tokens += batch.tokens
     # On the training device: NCCL reduces only CUDA tensors.
     sums = torch.cat([losses_sum.double(), torch.tensor([tokens], dtype=torch.float64, device=device)])

@@ -29,7 +29,7 @@ itself (docs/TRAINING.md); this unlikelihood term asks the clean stream not to, 
 With a repeat penalty (TrainConfig.repeat_unlikelihood, beta_r) L gains beta_r * L_repeat: over the scored clean
 positions, the mean of -log(1 - p(C)), C the last few tokens up to the position other than its target (batch.py,
 REPEAT_WINDOW). Trained models fall into short loops (a newline after a newline, ",,,,") where the text goes on;
-this asks the clean stream to keep its loops where its text has them, and nothing of the noisy one.
+this asks the clean stream not to loop where its text does not, and nothing of the noisy one.
 """
 
 from __future__ import annotations
