@@ -21,7 +21,7 @@ import torch
 from jfcore.chat import encode_chat
 from jfcore.evaluation.benchmarks import BenchmarkConfig, load_benchmark
 from jfcore.models import ModelConfig, load_model
-from jfcore.training.batch import REPEAT_WINDOW
+from jfcore.training.batch import REPEAT_WINDOW, recent_tokens
 
 
 def repeat_measures(logp: torch.Tensor, ids: list[int], start: int) -> list[float]:
@@ -30,9 +30,9 @@ def repeat_measures(logp: torch.Tensor, ids: list[int], start: int) -> list[floa
     left out, as the training term leaves them out."""
     out = []
     for i in range(start, len(ids) - 1):
-        recent = {ids[k] for k in range(max(0, i - REPEAT_WINDOW + 1), i + 1)} - {ids[i + 1]}
+        recent = recent_tokens(ids, i)
         if recent:
-            p = logp[i, sorted(recent)].exp().sum()
+            p = logp[i, recent].exp().sum()
             out.append(-torch.log1p(-p.clamp(max=1 - 1e-7)).item())
     return out
 
@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default=None, help="where the benchmark files are (default: the usual search)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/repeat_probe.json"))
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
     answers = base_answers(args.report, args.data_dir)
     results: dict[str, dict[str, float]] = {}
     print("| model | " + " | ".join(answers) + " |")

@@ -87,6 +87,13 @@ class _Row:
     clean: list[int]  # the clean stream's positions, in order
 
 
+def recent_tokens(stream: Sequence[int], index: int) -> list[int]:
+    """The last `REPEAT_WINDOW` tokens of `stream` up to `index`, newest first, each once, without the next token
+    `stream[index + 1]`: what a short loop would say at `index` where the text goes on (L_repeat's candidates)."""
+    window = (stream[k] for k in range(index, max(-1, index - REPEAT_WINDOW), -1))
+    return list(dict.fromkeys(token for token in window if token != stream[index + 1]))
+
+
 def _layout(
     row: dict, eos_token_id: int | None, ar_prompt: bool, max_offset: int | None, copy_pairs: bool = True
 ) -> _Row:
@@ -107,25 +114,24 @@ def _layout(
         streams += block + [CLEAN if s == NOISY else PAD for s in block]
         blocks += [j] * (2 * n)
         clean_positions += range(P + (2 * j + 1) * n, P + (2 * j + 1) * n + m)
+    stream = [ids[p] for p in clean_positions]
     # Response index of the first EOS: targets beyond it are ignored.
-    response = [ids[p] for p in clean_positions[response_start:]]
+    response = stream[response_start:]
     eos_at = response.index(eos_token_id) if eos_token_id is not None and eos_token_id in response else len(response)
     last_target = response_start + eos_at  # index into clean_positions of the last scored target
     copies = lookup_candidates(ids[:P], response) if P else [-1] * len(response)  # by response index
 
     def wrong_copy(index: int) -> int:  # lookup's candidate for clean_positions[index]'s token, if another token
         candidate = copies[index - P] if index >= P else -1
-        return candidate if candidate not in (-1, ids[clean_positions[index]]) else IGNORE
+        return candidate if candidate not in (-1, stream[index]) else IGNORE
 
-    def recent(index: int) -> list[int]:  # the tokens up to clean_positions[index] a loop would repeat there
-        target = ids[clean_positions[index + 1]]
-        window = (ids[clean_positions[k]] for k in range(index, max(-1, index - REPEAT_WINDOW), -1))
-        found = list(dict.fromkeys(token for token in window if token != target))
+    def recent(index: int) -> list[int]:  # recent_tokens at clean_positions[index], padded to REPEAT_WINDOW
+        found = recent_tokens(stream, index)
         return found + [IGNORE] * (REPEAT_WINDOW - len(found))
 
     first = 0 if ar_prompt else P - 1  # P - 1: the prompt's last token, which predicts the response's first
     ar = [
-        (clean_positions[i], ids[clean_positions[i + 1]], wrong_copy(i + 1), recent(i))
+        (clean_positions[i], stream[i + 1], wrong_copy(i + 1), recent(i))
         for i in range(first, min(len(clean_positions) - 1, last_target))
     ]
     pairs, seen = [], P  # `seen`: response tokens before block j
@@ -135,7 +141,7 @@ def _layout(
         for t in range(mismatch[j], stop):
             if seen + t < last_target:  # logit at response index seen+t predicts index seen+t+1
                 after = seen + t + 1
-                target = ids[clean_positions[after]] if after < len(clean_positions) else IGNORE
+                target = stream[after] if after < len(clean_positions) else IGNORE
                 copyable = target != IGNORE and copies[after - P] == target
                 if copy_pairs or not copyable:
                     pairs.append((noisy + t, clean + t, t - mismatch[j], target, copyable))
