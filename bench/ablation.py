@@ -148,6 +148,18 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ],
         "recipe-72m for 600 steps with the copy (beta 1) and repeat (beta 2) penalties: configs/campaign/cpu-2h.yaml",
     ),
+    # The shipped recipe without the copy penalty: which of the two penalties costs the drafts, which keeps the text
+    # (bench/published/repeat-only-cpu-2026-12-06).
+    "recipe-repeat-penalty": (
+        [
+            *RECIPE_2H,
+            "prompts.limit=512",
+            "packing.samples_per_prompt=9",
+            "training.max_steps=600",
+            "training.repeat_unlikelihood=2.0",
+        ],
+        "recipe-penalties without the copy penalty (the repeat penalty alone, beta 2)",
+    ),
     # The block size again, with the recipe's objective instead of the base's.
     "block-8-recipe": (RECIPE_256, "recipe-2h's objective at n = 8 (256 prompts), 200 steps"),
     "block-16-recipe": (

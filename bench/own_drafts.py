@@ -10,7 +10,9 @@ their own, `inLk` in place of the draft's unverified guesses. Two models' TPF at
 their speeds there, since a forward costs both the same.
 
 Writes bench/results/own_drafts.json (or --out) and prints one row per model: pooled TPF (new tokens / decode
-forwards over all prompts) per draft family and block size.
+forwards over all prompts) per draft family and block size, and the same before loops: where a model's answer ends in
+a short loop (jfcore/evaluation/repetition.py), a loop that drafts itself, that answer counts only up to the loop's
+first token (decoded again with that budget), so the figure is what the drafts do on the text itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from bench.common import RESULTS
 from jfcore.chat import encode_chat
 from jfcore.decoding import DecodeConfig, decode
+from jfcore.evaluation.repetition import short_loop_start
 from jfcore.models import ModelConfig, load_model
 from jfcore.paths import eval_prompts
 
@@ -51,17 +54,35 @@ def measure(checkpoint: str, drafts: list[str], limit: int, max_new_tokens: int)
     model, tokenizer = load_model(ModelConfig(name_or_path=checkpoint, dtype="float32"))
     prompts = [encode_chat(tokenizer, text) for name in SETS for text in eval_prompts(name, limit)]
     reference = [decode(model, [p], DecodeConfig(method="ar", max_new_tokens=max_new_tokens)) for p in prompts]
+    loops = [short_loop_start(ref.sequences[0]) for ref in reference]
     row = {"model": checkpoint, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "drafts": {}}
+    row["loop_ends"] = sum(start is not None for start in loops)
     for spec in drafts:
         config = draft_config(spec, max_new_tokens)
         tokens = forwards = exact = 0
-        for prompt, ref in zip(prompts, reference, strict=True):
+        before_tokens = before_forwards = 0  # the same, each answer cut at its loop's start
+        for prompt, ref, loop in zip(prompts, reference, loops, strict=True):
             out = decode(model, [prompt], config)
             tokens += out.stats.new_tokens
             forwards += out.stats.decode_forwards
             exact += out.sequences[0] == ref.sequences[0]
-        row["drafts"][spec] = {"tpf": tokens / max(forwards, 1), "exact": exact}
-        print(f"{checkpoint} {spec}: TPF {tokens / max(forwards, 1):.3f}, {exact}/{len(prompts)} equal to its AR")
+            if loop is not None and loop > 0:
+                out = decode(model, [prompt], draft_config(spec, loop))
+                exact += out.sequences[0] == ref.sequences[0][:loop]
+            if loop != 0:  # an answer that is all loop has no text before it
+                before_tokens += out.stats.new_tokens
+                before_forwards += out.stats.decode_forwards
+        checked = len(prompts) + sum(start is not None and start > 0 for start in loops)
+        tpf, before = tokens / max(forwards, 1), before_tokens / max(before_forwards, 1)
+        row["drafts"][spec] = {
+            "tpf": tpf,
+            "tpf_before_loops": before,
+            "tokens": tokens,
+            "tokens_before_loops": before_tokens,
+            "exact": exact,
+            "checked": checked,
+        }
+        print(f"{checkpoint} {spec}: TPF {tpf:.3f} ({before:.3f} before loops), {exact}/{checked} equal to its AR")
     return row
 
 
@@ -76,10 +97,13 @@ def main() -> None:
     for spec in args.drafts:
         draft_config(spec, 1)  # refuse a bad spec before any model loads
     rows = [measure(m, args.drafts, args.limit, args.max_new_tokens) for m in args.models]
-    print("\n| model | " + " | ".join(args.drafts) + " |\n|---|" + "---:|" * len(args.drafts))
+    print("\n| model | loop ends | " + " | ".join(args.drafts) + " |\n|---|---:|" + "---:|" * len(args.drafts))
     for row in rows:
-        cells = " | ".join(f"{row['drafts'][s]['tpf']:.3f}" for s in args.drafts)
-        print(f"| {row['model']} | {cells} |")
+        cells = " | ".join(
+            f"{row['drafts'][s]['tpf']:.3f} ({row['drafts'][s]['tpf_before_loops']:.3f})" for s in args.drafts
+        )
+        print(f"| {row['model']} | {row['loop_ends']}/{row['prompts']} | {cells} |")
+    print("(TPF before loops in brackets: answers that end in a short loop cut at its start)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {args.out}")

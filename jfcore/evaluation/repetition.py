@@ -29,9 +29,22 @@ def repeated_share(tokens: Sequence[int], n: int = NGRAM) -> float:
     return repeated / max(len(tokens) - n + 1, 1)
 
 
+def short_loop_start(tokens: Sequence[int], period: int = LOOP_PERIOD, run: int = LOOP_RUN) -> int | None:
+    """Where the short loop that `tokens` ends in begins (the first token of its longest periodic tail), or None
+    when the last `run` tokens (and `period` more) repeat with no period of at most `period`."""
+    tokens = list(tokens)
+    if len(tokens) < run + period:
+        return None
+    starts = []
+    for p in range(1, period + 1):
+        start = len(tokens) - p  # the tail tokens[start:] repeats with period p
+        while start > 0 and tokens[start - 1] == tokens[start - 1 + p]:
+            start -= 1
+        if len(tokens) - start >= run + period:
+            starts.append(start)
+    return min(starts, default=None)
+
+
 def ends_in_short_loop(tokens: Sequence[int], period: int = LOOP_PERIOD, run: int = LOOP_RUN) -> bool:
     """Whether the last `run` tokens (and `period` more) repeat with some period of at most `period`."""
-    tail = list(tokens[-(run + period) :])
-    return len(tail) == run + period and any(
-        all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, period + 1)
-    )
+    return short_loop_start(tokens, period, run) is not None

@@ -12,7 +12,7 @@ import torch
 from bench import decode_bench
 from cli import decode as cli
 from jfcore.decoding.reference import first_divergence
-from tests.support.tiny_models import save_tiny_checkpoint
+from tests.support.tiny_models import greedy_reference, save_tiny_checkpoint
 
 PROJECT_METHODS = ("ar", "jacobi_n4", "jacobi_n8", "multiblock_n4")
 
@@ -245,6 +245,17 @@ def test_a_completion_ends_in_a_short_loop_when_its_last_tokens_repeat_with_peri
     assert not ends_in_short_loop([5] * 5)  # too short to tell
 
 
+def test_a_short_loop_starts_at_the_first_token_of_its_longest_periodic_tail():
+    from jfcore.evaluation.repetition import short_loop_start
+
+    text = list(range(20))
+    assert short_loop_start(text + [198] * 12) == 20
+    assert short_loop_start(text + [7, 198] * 6) == 20
+    assert short_loop_start(text + [198, 7, 198, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]) == 23  # the loop after the pairs
+    assert short_loop_start([198] * 15) == 0
+    assert short_loop_start(text + [198] * 9) is None and short_loop_start(text) is None
+
+
 def test_own_drafts_counts_every_family_and_checks_it_against_ar(tiny, capsys):
     from bench import own_drafts
 
@@ -258,6 +269,35 @@ def test_own_drafts_counts_every_family_and_checks_it_against_ar(tiny, capsys):
     assert (beside.lookup_tokens, beside.lookup_within, beside.rolling) == (2, False, False)
     with pytest.raises(SystemExit, match="FAMILY:N"):
         own_drafts.draft_config("lookahead:4", 12)
+
+
+def test_own_drafts_counts_answers_that_end_in_loops_only_up_to_the_loop(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench import own_drafts
+    from jfcore.chat import encode_chat
+    from jfcore.evaluation.repetition import short_loop_start
+    from jfcore.paths import eval_prompts
+
+    # At this scale of weights the answers are a few words and then a short loop, except one.
+    checkpoint = save_tiny_checkpoint(tmp_path, initializer_range=0.1)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(checkpoint).eval(),
+        AutoTokenizer.from_pretrained(checkpoint),
+    )
+    prompts = [encode_chat(tokenizer, text) for name in own_drafts.SETS for text in eval_prompts(name, 2)]
+    answers = [greedy_reference(model, prompt, 32) for prompt in prompts]
+    starts = [short_loop_start(answer) for answer in answers]
+    cut = [start for start in starts if start]  # answers with text before their loop
+    assert len(cut) >= 2 and None in starts
+
+    row = own_drafts.measure(str(checkpoint), ["jacobi:4"], 2, 32)
+    figures = row["drafts"]["jacobi:4"]
+    assert row["loop_ends"] == sum(start is not None for start in starts)
+    assert figures["checked"] == len(prompts) + len(cut) and figures["exact"] == figures["checked"]
+    assert figures["tokens"] == sum(map(len, answers))
+    assert figures["tokens_before_loops"] == sum(cut) + sum(len(a) for a, s in zip(answers, starts) if s is None)
+    assert 1.0 <= figures["tpf_before_loops"] <= 4.0
 
 
 def test_copy_targets_pairs_each_noisy_prefix_with_the_next_fixed_point_token():
