@@ -49,18 +49,23 @@ def probe(model, tokenizer, answers: list[tuple[str, list[int]]]) -> float:
     return sum(values) / max(len(values), 1)
 
 
-def base_answers(report: Path, data_dir: str | None) -> dict[str, list[tuple[str, list[int]]]]:
-    """The report's base model's greedy answers with their prompts, by benchmark."""
+def report_answers(report: Path, data_dir: str | None) -> dict[str, dict[str, list[tuple[str, list[int]]]]]:
+    """Each model's HF greedy answers in an evaluation report with their prompts: model -> benchmark -> pairs."""
     rows = pq.read_table(report / "samples.parquet").to_pylist()
-    baseline = min({r["model"] for r in rows}, key=lambda m: m != "base")  # "base" where the report has one
     prompts = {}
     for name in {r["benchmark"] for r in rows}:
         prompts.update({p.id: p.prompt for p in load_benchmark(BenchmarkConfig(name=name, limit=None), data_dir)})
-    answers = defaultdict(list)
+    answers: dict = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r["model"] == baseline and r["method"] == "hf_greedy":
-            answers[r["benchmark"]].append((prompts[r["problem_id"]], list(r["tokens"])))
-    return dict(answers)
+        if r["method"] == "hf_greedy":
+            answers[r["model"]][r["benchmark"]].append((prompts[r["problem_id"]], list(r["tokens"])))
+    return {model: dict(by_bench) for model, by_bench in answers.items()}
+
+
+def base_answers(report: Path, data_dir: str | None) -> dict[str, list[tuple[str, list[int]]]]:
+    """The report's base model's greedy answers with their prompts, by benchmark."""
+    answers = report_answers(report, data_dir)
+    return answers[min(answers, key=lambda m: m != "base")]  # "base" where the report has one
 
 
 def main(argv: list[str] | None = None) -> None:

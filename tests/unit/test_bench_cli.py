@@ -385,3 +385,29 @@ def test_the_repeat_probe_measures_what_the_training_repeat_penalty_does_on_the_
     measures = repeat_measures(torch.log_softmax(clean, -1), ids, start=2)
     assert len(measures) == 6
     assert sum(measures) / 6 == pytest.approx(repeat_loss(logits, batch).item(), rel=1e-5)
+
+
+def test_the_base_judge_agrees_with_its_own_greedy_text_and_not_with_a_garbled_copy(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.base_judge import judge, judge_tokens
+    from jfcore.chat import encode_chat
+    from jfcore.evaluation.repetition import short_loop_start
+
+    logp = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]), -1)
+    nll, top = judge_tokens(logp, [0, 1])
+    assert top == [True, False] and nll == pytest.approx([-logp[0, 0].item(), -logp[1, 1].item()])
+
+    checkpoint = save_tiny_checkpoint(tmp_path, initializer_range=0.1)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(checkpoint).eval(),
+        AutoTokenizer.from_pretrained(checkpoint),
+    )
+    text = "w7 w8 w9"
+    answer = greedy_reference(model, encode_chat(tokenizer, text), 32)
+    own = judge(model, tokenizer, [(text, answer)])
+    assert own["argmax_share"] == 1.0 and own["tokens"] == 32
+    loop = short_loop_start(answer)
+    assert own["tokens_before_loops"] == (32 if loop is None else loop)
+    garbled = judge(model, tokenizer, [(text, [(t + 1) % 128 for t in answer])])
+    assert garbled["argmax_share"] < 0.5 and garbled["nll"] > own["nll"]
