@@ -135,8 +135,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         [*RECIPE_2H, "prompts.limit=512", "packing.samples_per_prompt=9", "training.max_steps=1000"],
         "recipe-2h on 512 prompts, 9 states per block, 1000 steps (72 min)",
     ),
-    # The shipped recipe (configs/campaign/cpu-2h.yaml): recipe-72m for 600 steps with the copy and repeat penalties,
-    # the first to draft at its level inside the gate (bench/published/repeat-penalty-cpu-2026-12-06).
+    # recipe-72m for 600 steps with the copy and repeat penalties, the first to draft at its level inside the gate
+    # (bench/published/repeat-penalty-cpu-2026-12-06); the shipped recipe until recipe-repeat-penalty.
     "recipe-penalties": (
         [
             *RECIPE_2H,
@@ -146,10 +146,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
             "training.copy_unlikelihood=1.0",
             "training.repeat_unlikelihood=2.0",
         ],
-        "recipe-72m for 600 steps with the copy (beta 1) and repeat (beta 2) penalties: configs/campaign/cpu-2h.yaml",
+        "recipe-72m for 600 steps with the copy (beta 1) and repeat (beta 2) penalties",
     ),
-    # The shipped recipe without the copy penalty: which of the two penalties costs the drafts, which keeps the text
-    # (bench/published/repeat-only-cpu-2026-12-06).
+    # The shipped recipe (configs/campaign/cpu-2h.yaml): recipe-penalties without the copy penalty, which cost the
+    # drafts and the text both (bench/published/repeat-only-cpu-2026-12-06).
     "recipe-repeat-penalty": (
         [
             *RECIPE_2H,
@@ -158,7 +158,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
             "training.max_steps=600",
             "training.repeat_unlikelihood=2.0",
         ],
-        "recipe-penalties without the copy penalty (the repeat penalty alone, beta 2)",
+        "recipe-penalties without the copy penalty (the repeat penalty alone, beta 2): configs/campaign/cpu-2h.yaml",
     ),
     # The block size again, with the recipe's objective instead of the base's.
     "block-8-recipe": (RECIPE_256, "recipe-2h's objective at n = 8 (256 prompts), 200 steps"),

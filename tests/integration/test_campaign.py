@@ -204,14 +204,16 @@ def test_shipped_profiles_load(profile):
 
 
 def test_the_2_hour_recipe_is_the_measured_ablation_variant():
-    """configs/campaign/cpu-2h.yaml is what `bench.ablation --variants recipe-penalties` trains: the same
+    """configs/campaign/cpu-2h.yaml is what `bench.ablation --variants recipe-repeat-penalty` trains: the same
     trajectories, packing and training settings, so the flow reuses that run instead of training another."""
     from bench.ablation import VARIANTS
     from jfcore.config import apply_overrides, load_file
 
     recipe = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml")
     variant = load_recipe(
-        apply_overrides(load_file(REPO / "configs" / "campaign" / "cpu-ablation.yaml"), VARIANTS["recipe-penalties"][0])
+        apply_overrides(
+            load_file(REPO / "configs" / "campaign" / "cpu-ablation.yaml"), VARIANTS["recipe-repeat-penalty"][0]
+        )
     )
     for section in ("work_dir", "model", "prompts", "trajectories", "packing", "training", "launch"):
         assert getattr(recipe, section) == getattr(variant, section), section
