@@ -411,3 +411,27 @@ def test_the_base_judge_agrees_with_its_own_greedy_text_and_not_with_a_garbled_c
     assert own["tokens_before_loops"] == (32 if loop is None else loop)
     garbled = judge(model, tokenizer, [(text, [(t + 1) % 128 for t in answer])])
     assert garbled["argmax_share"] < 0.5 and garbled["nll"] > own["nll"]
+
+
+def test_trajectory_endings_counts_answers_that_end_and_code_blocks_closed_before_the_end():
+    from bench.trajectory_endings import answer_endings
+
+    words = {1: "```", 2: "<eos>", 3: "\n", 4: "x", 5: " y"}
+
+    def decode(tokens):
+        return "".join(words[t] for t in tokens)
+
+    def row(prompt, block, states):  # the last state is the fixed point
+        return {"prompt_id": prompt, "block_index": block, "states": states, "fixed_point": states[-1]}
+
+    rows = [
+        row("closes", 1, [[3, 1, 2], [3, 1, 2]]),  # out of order: block 1 follows block 0
+        row("closes", 0, [[1, 3, 3], [1, 3, 4]]),  # a wrong newline at offset 2
+        row("runs-on", 0, [[4, 5, 4], [4, 5, 5]]),
+        row("ends-in-text", 0, [[1, 4, 5], [1, 4, 2]]),
+    ]
+    figures = answer_endings(rows, eos=2, decode=decode)
+    assert figures["prompts"] == 3 and figures["ended"] == 2 and figures["with_code_fence"] == 2
+    assert figures["closed_code_block_then_ended"] == 1  # "```\nx\n```" then EOS; "```x y" then EOS is not closed
+    assert figures["newline_share_fixed_points"] == 2 / 12
+    assert figures["newline_share_wrong_draft_tokens"] == 1 / 3  # the wrong tokens: 3 (a newline), 4 and 5
