@@ -33,7 +33,7 @@ MEMORISE = [
     "training.lr_schedule=constant",
 ]
 # name -> (overrides, what it varies). The recipe's own settings are `base`.
-RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m and recipe-penalties override its amounts (later win)
+RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m and RECIPE_600 override its amounts (later win)
     "training.ar_weight=0.1",
     "training.consistency_offsets=2",
     "packing.max_noise=0.5",
@@ -42,6 +42,14 @@ RECIPE_2H = [  # the ablation's variant recipe-2h; recipe-72m and recipe-penalti
     "training.max_steps=1400",
     "training.checkpoint_every=100",
     "training.acceptance.every=100",
+]
+# recipe-2h on 512 prompts, 9 states per block, for 600 steps with the repeat penalty: the penalty runs' common part.
+RECIPE_600 = [
+    *RECIPE_2H,
+    "prompts.limit=512",
+    "packing.samples_per_prompt=9",
+    "training.max_steps=600",
+    "training.repeat_unlikelihood=2.0",
 ]
 # recipe-2h's objective on a quarter of the prompts for 200 steps: the block-size variants below change only n.
 RECIPE_256 = [*RECIPE_2H, "prompts.limit=256", "training.max_steps=200", "training.acceptance.every=50"]
@@ -138,26 +146,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     # recipe-72m for 600 steps with the copy and repeat penalties, the first to draft at its level inside the gate
     # (bench/published/repeat-penalty-cpu-2026-12-06); the shipped recipe until recipe-repeat-penalty.
     "recipe-penalties": (
-        [
-            *RECIPE_2H,
-            "prompts.limit=512",
-            "packing.samples_per_prompt=9",
-            "training.max_steps=600",
-            "training.copy_unlikelihood=1.0",
-            "training.repeat_unlikelihood=2.0",
-        ],
+        [*RECIPE_600, "training.copy_unlikelihood=1.0"],
         "recipe-72m for 600 steps with the copy (beta 1) and repeat (beta 2) penalties",
     ),
     # The shipped recipe (configs/campaign/cpu-2h.yaml): recipe-penalties without the copy penalty, which cost the
     # drafts and the text both (bench/published/repeat-only-cpu-2026-12-06).
     "recipe-repeat-penalty": (
-        [
-            *RECIPE_2H,
-            "prompts.limit=512",
-            "packing.samples_per_prompt=9",
-            "training.max_steps=600",
-            "training.repeat_unlikelihood=2.0",
-        ],
+        RECIPE_600,
         "recipe-penalties without the copy penalty (the repeat penalty alone, beta 2): configs/campaign/cpu-2h.yaml",
     ),
     # The block size again, with the recipe's objective instead of the base's.

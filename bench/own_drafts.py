@@ -59,20 +59,21 @@ def measure(checkpoint: str, drafts: list[str], limit: int, max_new_tokens: int)
     row["loop_ends"] = sum(start is not None for start in loops)
     for spec in drafts:
         config = draft_config(spec, max_new_tokens)
-        tokens = forwards = exact = 0
+        tokens = forwards = exact = checked = 0
         before_tokens = before_forwards = 0  # the same, each answer cut at its loop's start
         for prompt, ref, loop in zip(prompts, reference, loops, strict=True):
             out = decode(model, [prompt], config)
             tokens += out.stats.new_tokens
             forwards += out.stats.decode_forwards
             exact += out.sequences[0] == ref.sequences[0]
-            if loop is not None and loop > 0:
+            checked += 1
+            if loop:  # text before the loop: decoded again up to it
                 out = decode(model, [prompt], draft_config(spec, loop))
                 exact += out.sequences[0] == ref.sequences[0][:loop]
+                checked += 1
             if loop != 0:  # an answer that is all loop has no text before it
                 before_tokens += out.stats.new_tokens
                 before_forwards += out.stats.decode_forwards
-        checked = len(prompts) + sum(start is not None and start > 0 for start in loops)
         tpf, before = tokens / max(forwards, 1), before_tokens / max(before_forwards, 1)
         row["drafts"][spec] = {
             "tpf": tpf,

@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     for key, s in summary.items():
         print(
             f"| {key} | {s['samples']} | {s['repeated_4gram_share']:.3f} | {s['short_loop_ends']:.3f} "
-            f"| {s['accuracy']:.3f} "
-            f"| {s['mean_new_tokens']:.1f} |"
+            f"| {s['accuracy']:.3f} | {s['mean_new_tokens']:.1f} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"report": str(args.report), "summary": summary}, indent=1))
