@@ -126,6 +126,7 @@ class CurriculumStage:
     name: str  # its folder under work_dir (and its label in logs and MLflow), e.g. n16
     block_size: int
     window: int | None = None  # packing window; default packing.window
+    cut_loops: bool | None = None  # packing.cut_loops for this stage (an on-policy round's own trajectories)
     max_new_tokens: int | None = None  # trajectory length; default trajectories.max_new_tokens
     prompts_limit: int | None = None  # the first this many prompts of the (shuffled) set; default prompts.limit
     training: dict[str, Any] = field(default_factory=dict)
@@ -194,7 +195,11 @@ class Recipe:
                 block_size=stage.block_size,
                 max_new_tokens=stage.max_new_tokens or self.trajectories.max_new_tokens,
             )
-            packing = replace(self.packing, window=stage.window or self.packing.window)
+            packing = replace(
+                self.packing,
+                window=stage.window or self.packing.window,
+                cut_loops=self.packing.cut_loops if stage.cut_loops is None else stage.cut_loops,
+            )
             prompts = replace(self.prompts, limit=stage.prompts_limit or self.prompts.limit)
             training = self.training | stage.training
             plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))

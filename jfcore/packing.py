@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from jfcore.atomic import atomic_write
 from jfcore.config import check, to_dict
 from jfcore.contracts import HELDOUT, PACKED_SCHEMA, STATS
+from jfcore.evaluation.repetition import short_loop_start
 from jfcore.trajectories import first_mismatch
 
 # The trajectory columns packing reads (jfcore.contracts.TRAJECTORY_SCHEMA).
@@ -83,6 +84,11 @@ class PackingConfig:
     # for that state alone; decoding visits others (docs/TRAINING.md, "What moves own-draft TPF"). Held-out
     # prompts get one.
     samples_per_prompt: int = 1
+    # Pack an answer only up to the short loop it ends in (jfcore/evaluation/repetition.py), whole blocks before
+    # the loop's first token. A trained model's own trajectories end in loops more often than the base model's,
+    # and training on them teaches more loops: the on-policy round's loop endings went from 10% to 27.5% of its
+    # answers (docs/TRAINING.md, "What moves own-draft TPF").
+    cut_loops: bool = False
 
     def __post_init__(self) -> None:
         check(self.strategy in ("progressive", "random"), f"unknown strategy {self.strategy!r}")
@@ -104,8 +110,9 @@ class PackingStats:
     tokens: int = 0  # packed tokens, padding included
     blocks: int = 0
     consistency_blocks: int = 0  # blocks with k_j != l_j: the only ones with consistency loss
-    skipped: int = 0  # prompts whose first block alone exceeds max_length
+    skipped: int = 0  # prompts whose first block alone exceeds max_length (answers that are all loop aside)
     dropped_blocks: int = 0  # blocks cut from the end of sequences to respect max_length
+    loop_blocks: int = 0  # blocks cut from the end of answers that end in a short loop (cut_loops)
     noise_histogram: list[int] = field(default_factory=lambda: [0] * HISTOGRAM_BINS)  # equal bins over [0, 1]
     tokenizer_fingerprint: str | None = None
     shards: list[str] = field(default_factory=list)  # packed shard file names
@@ -180,6 +187,7 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig, sample:
         raise PackingError(f"prompt {prompt_id!r}: {problem} (the trajectory shards are inconsistent)")
     n, P = rows[0]["block_size"], rows[0]["prompt_length"]
     T = len(rows) if config.max_length is None else min(len(rows), (config.max_length - P) // (2 * n))
+    T = min(T, loop_free_blocks(rows)) if config.cut_loops else T
     if T <= 0:
         return None
     seq = {
@@ -204,6 +212,14 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig, sample:
         seq["noise_levels"].append(noise_level(mismatches[chosen], m))
         seq["valid_lengths"].append(m)
     return seq
+
+
+def loop_free_blocks(rows: list[dict]) -> int:
+    """How many of an answer's blocks (in order) end before the short loop the answer ends in: all of them when
+    it ends in none."""
+    answer = [token for row in rows for token in row["fixed_point"]]
+    start = short_loop_start(answer)
+    return len(rows) if start is None else start // rows[0]["block_size"]
 
 
 def _prompt_problem(rows: list[dict]) -> str | None:
@@ -268,9 +284,12 @@ def pack_shards(
             del bucket
             for prompt_id in sorted(by_prompt):
                 held = is_heldout(config, prompt_id)
-                seq = pack_prompt(prompt_id, by_prompt[prompt_id], config)
+                rows = sorted(by_prompt[prompt_id], key=lambda r: r["block_index"])
+                seq = pack_prompt(prompt_id, rows, config)  # checks the rows first
+                looped = len(rows) - loop_free_blocks(rows) if config.cut_loops else 0
+                (heldout if held else stats).loop_blocks += looped
                 if seq is None:
-                    stats.skipped += 1
+                    stats.skipped += looped < len(rows)  # an answer that is all loop is not "too long"
                     continue
                 if held:
                     stats.heldout_prompts.append(prompt_id)
@@ -278,8 +297,8 @@ def pack_shards(
                     writers[True].add(seq)
                     continue
                 for sample in range(config.samples_per_prompt):
-                    seq = seq if sample == 0 else pack_prompt(prompt_id, by_prompt[prompt_id], config, sample)
-                    stats.dropped_blocks += len(by_prompt[prompt_id]) - seq["num_blocks"]
+                    seq = seq if sample == 0 else pack_prompt(prompt_id, rows, config, sample)
+                    stats.dropped_blocks += len(rows) - looped - seq["num_blocks"]
                     stats.add(seq)
                     writers[False].add(seq)
     if not stats.sequences:

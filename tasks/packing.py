@@ -64,12 +64,23 @@ def packed_problem(folder: str | Path) -> str | None:
     )
 
 
+def packing_identity(packing: PackingConfig) -> dict:
+    """The packing settings a packed folder's key holds: `cut_loops` only when on, the key packed folders had
+    before it existed (so they, and the training runs on them, are reused)."""
+    settings = asdict(packing)
+    if not settings.pop("cut_loops"):
+        return settings
+    return settings | {"cut_loops": True}
+
+
 def packing_stage(
     plan: StagePlan, selection: str, run: bool = True, log: Callable[[str], None] = print
 ) -> PackingResult:
     """Pack the selection into its folder unless a verified one exists; skipped (`run` false), it must."""
     chosen = Selection.read(selection)
-    folder = plan.path(PACKING) / run_key(store=chosen.store, shards=chosen.shards, packing=asdict(plan.packing))
+    folder = plan.path(PACKING) / run_key(
+        store=chosen.store, shards=chosen.shards, packing=packing_identity(plan.packing)
+    )
     problem = packed_problem(folder)
     if problem is None:
         log(f"packing: reused {folder} (complete; its files verify)")

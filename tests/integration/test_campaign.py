@@ -218,3 +218,15 @@ def test_the_2_hour_recipe_is_the_measured_ablation_variant():
     for section in ("work_dir", "model", "prompts", "trajectories", "packing", "training", "launch"):
         assert getattr(recipe, section) == getattr(variant, section), section
     assert recipe.evaluation.base_vs_trained and "tuned" in recipe.evaluation.decoding.methods
+
+
+def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model():
+    """configs/campaign/cpu-2h-onpolicy.yaml's first round is cpu-2h.yaml's run in the same folder (so the flow
+    reuses it); its second decodes its trajectories with that round's model, at the same block size."""
+    two_hours = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml").stages()[0]
+    first, second = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-onpolicy.yaml").stages()
+    for part in ("folder", "model", "prompts", "trajectories", "packing", "training"):
+        assert getattr(first, part) == getattr(two_hours, part), part
+    assert second.model.name_or_path == str(first.path("training") / "latest" / "final")
+    assert second.trajectories == first.trajectories and second.prompts == first.prompts
+    assert second.training.max_steps == 400 and second.training.ar_weight == first.training.ar_weight

@@ -4,9 +4,11 @@ that must be refused with a clear message."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -370,3 +372,40 @@ def test_samples_per_prompt_packs_each_trained_prompt_with_other_noisy_states(tm
     assert [block_target(config, "any", k, 12, sample=1) for k in range(4)] == pytest.approx([1 / 3, 2 / 3, 1, 0])
     with pytest.raises(ConfigError, match="samples_per_prompt must be >= 1"):
         from_dict(PackingConfig, {"samples_per_prompt": 0})
+
+
+def answer_rows(prompt_id: str, prompt: list[int], answer: list[int]) -> list[dict]:
+    """Trajectory rows of a given answer: each block's one noisy state, then its fixed point."""
+    blocks = [
+        SimpleNamespace(
+            start=s, fixed_point=answer[s : s + N], states=[[99] * len(answer[s : s + N]), answer[s : s + N]]
+        )
+        for s in range(0, len(answer), N)
+    ]
+    return trajectory_rows(prompt_id, prompt, answer, blocks, N, "model-fp", "tok-fp")
+
+
+def test_cut_loops_packs_each_answer_only_up_to_the_short_loop_it_ends_in(tmp_path):
+    text = list(range(20, 39))  # 19 fresh tokens, then one token to the budget: a loop from token 19 on
+    answers = {"looping": text + [13] * 21, "fresh": list(range(40, 80)), "all-loop": [13] * 40}
+    rows = [r for i, (p, a) in enumerate(answers.items()) for r in answer_rows(p, [1 + i, 2], a)]
+    path = write(tmp_path / "t.parquet", rows)
+    plain, table = pack([path], tmp_path / "plain")
+    assert {s["prompt_id"]: s["num_blocks"] for s in table.to_pylist()} == dict.fromkeys(answers, 5)
+    assert plain.loop_blocks == 0
+    cut, table = pack([path], tmp_path / "cut", cut_loops=True)
+    seqs = {s["prompt_id"]: s for s in table.to_pylist()}
+    assert {p: s["num_blocks"] for p, s in seqs.items()} == {"looping": 19 // N, "fresh": 5}  # whole blocks only
+    clean = [t for _, l, _, _ in blocks_of(seqs["looping"]) for t in l]
+    assert clean == text[: 2 * N]
+    assert (cut.loop_blocks, cut.skipped, cut.dropped_blocks) == (3 + 5, 0, 0)
+
+
+def test_cut_loops_off_keeps_the_packed_folder_key_it_had_before_the_option():
+    """A recipe that leaves cut_loops off must reuse what was packed (and trained on it) before cut_loops existed."""
+    from tasks.packing import packing_identity
+
+    config = PackingConfig(window=8, max_noise=0.5, samples_per_prompt=9)
+    before = {k: v for k, v in dataclasses.asdict(config).items() if k != "cut_loops"}
+    assert packing_identity(config) == before
+    assert packing_identity(dataclasses.replace(config, cut_loops=True)) == before | {"cut_loops": True}
