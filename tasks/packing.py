@@ -68,9 +68,9 @@ def packing_identity(packing: PackingConfig) -> dict:
     """The packing settings a packed folder's key holds: `cut_loops` only when on, the key packed folders had
     before it existed (so they, and the training runs on them, are reused)."""
     settings = asdict(packing)
-    if not settings.pop("cut_loops"):
-        return settings
-    return settings | {"cut_loops": True}
+    if not packing.cut_loops:
+        del settings["cut_loops"]
+    return settings
 
 
 def packing_stage(
