@@ -220,13 +220,17 @@ def test_the_2_hour_recipe_is_the_measured_ablation_variant():
     assert recipe.evaluation.base_vs_trained and "tuned" in recipe.evaluation.decoding.methods
 
 
-def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model():
+def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model_twice():
     """configs/campaign/cpu-2h-onpolicy.yaml's first round is cpu-2h.yaml's run in the same folder (so the flow
-    reuses it); its second decodes its trajectories with that round's model, at the same block size."""
+    reuses it); each later round decodes its trajectories with the round before's model, at the same block size,
+    and packs its answers only up to the loops they end in."""
     two_hours = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml").stages()[0]
-    first, second = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-onpolicy.yaml").stages()
+    first, *rounds = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-onpolicy.yaml").stages()
     for part in ("folder", "model", "prompts", "trajectories", "packing", "training"):
         assert getattr(first, part) == getattr(two_hours, part), part
-    assert second.model.name_or_path == str(first.path("training") / "latest" / "final")
-    assert second.trajectories == first.trajectories and second.prompts == first.prompts
-    assert second.training.max_steps == 400 and second.training.ar_weight == first.training.ar_weight
+    assert len(rounds) == 2 and not first.packing.cut_loops
+    for before, stage in zip([first, *rounds], rounds):
+        assert stage.model.name_or_path == str(before.path("training") / "latest" / "final")
+        assert stage.trajectories == first.trajectories and stage.prompts == first.prompts
+        assert stage.packing.cut_loops and stage.packing.window == first.packing.window
+        assert stage.training.max_steps == 400 and stage.training.ar_weight == first.training.ar_weight
