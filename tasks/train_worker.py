@@ -33,14 +33,19 @@ def main(argv: list[str]) -> None:
         rank = os.environ.get("RANK", "0")
         (Path(config.output_dir) / f"{FAILURE_PREFIX}rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
         raise
-    # Leave the process group before the interpreter exits: gloo's worker threads outliving it abort the process
-    # now and then ("terminate called without an active exception", exit code -6), and the launcher would report a
-    # finished run as failed. Only on success: ranks that failed may not reach this collective teardown.
+    # Leave the process group, then skip the interpreter's teardown: native threads (gloo's, DeepSpeed's ZeRO-3) still
+    # alive at exit abort the process now and then ("terminate called without an active exception", exit code -6),
+    # and the launcher would report a finished run as failed. Everything the run keeps is written by now (train()
+    # returns after the final export; metrics go out synchronously). Only on success: ranks that failed may not reach
+    # this collective teardown, and their traceback is what the launcher shows.
     dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":
         print(
             f"training finished: {result.steps} steps (resumed from {result.resumed_from}); model in {result.final_dir}"
         )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

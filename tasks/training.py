@@ -65,6 +65,24 @@ from tasks.tracking import (
 INFRA_DEEPSPEED = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 # torchrun's own post-mortem starts here; the lines before it are the ranks' (the real cause)
 POST_MORTEM = "torch/distributed/elastic/multiprocessing/api.py"
+# A Python warning as the ranks print it ("path:line: FutureWarning: ...") and the source line under it. Under
+# ZeRO-3 the library's deprecation warnings come in dozens, and crowded the real cause out of the tail.
+WARNING_LINE = re.compile(r"^\S+:\d+: \w*Warning: ")
+
+
+class ErrorTail:
+    """The last lines the ranks printed before torchrun's post-mortem, less Python warnings: what a failure shows."""
+
+    def __init__(self, keep: int = 40) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self._post_mortem = self._after_warning = False
+
+    def add(self, line: str) -> None:
+        self._post_mortem = self._post_mortem or POST_MORTEM in line
+        was_warning, self._after_warning = self._after_warning, bool(WARNING_LINE.match(line))
+        if self._post_mortem or self._after_warning or (was_warning and line[:1].isspace()):  # its source line
+            return
+        self.lines.append(line.rstrip())
 
 
 class TrainingFailed(RuntimeError):
@@ -263,7 +281,7 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None],
         for stale in launch_file.parent.glob(f"{FAILURE_PREFIX}*.txt"):
             stale.unlink()
     log(f"launching {processes} training process(es): {' '.join(command[5:])}")
-    tail: collections.deque[str] = collections.deque(maxlen=40)
+    tail = ErrorTail()
     # Its own session, so that a timeout or a cancelled task takes down every rank, not only torchrun.
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -285,12 +303,9 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None],
         log_name = LAUNCH_LOG if launch.node_rank == 0 else f"{Path(LAUNCH_LOG).stem}.node{launch.node_rank}.log"
         with open(launch_file.parent / log_name, "a", buffering=1) as full_log:  # line by line: survives a kill
             full_log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
-            in_post_mortem = False
             for line in proc.stdout:
                 full_log.write(line)
-                in_post_mortem = in_post_mortem or POST_MORTEM in line
-                if not in_post_mortem:
-                    tail.append(line.rstrip())
+                tail.add(line)
                 log(line.rstrip())
                 if progress and (step := PROGRESS_LINE.match(line)):
                     note = (
@@ -310,7 +325,7 @@ def _launch(launch_file: Path, launch: LaunchConfig, log: Callable[[str], None],
         why = "\n".join(f"{p.stem.removeprefix(FAILURE_PREFIX)}: {p.read_text()}" for p in reasons)
         raise TrainingFailed(
             f"training processes exited with code {code}; "
-            + (f"they reported:\n{why}" if why else "their last lines were:\n" + "\n".join(tail))
+            + (f"they reported:\n{why}" if why else "their last lines were:\n" + "\n".join(tail.lines))
             + f"\nEvery line they printed is in {launch_file.parent / LAUNCH_LOG}."
             + f"\nOnce fixed (or if a process was killed), run the stage again: it resumes from the newest "
             f"checkpoint in {launch_file.parent / CHECKPOINTS}"

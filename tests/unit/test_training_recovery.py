@@ -1,4 +1,4 @@
-"""Crash recovery without a training run: durable writes, and metrics files a crash left torn.
+"""Crash recovery without a training run: durable writes, metrics files a crash left torn, what a failure shows.
 
 The training runs that resume from such files are in tests/integration/test_training_run.py."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from jfcore.atomic import atomic_write, fsync_tree
 from jfcore.training.checkpoints import MetricsError, _reason, _truncate_metrics, read_metrics
-from tasks.training import _last_metrics
+from tasks.training import POST_MORTEM, ErrorTail, _last_metrics
 
 
 @pytest.fixture
@@ -126,3 +126,30 @@ def test_a_load_error_is_one_line_and_a_bare_assert_says_where_it_was_raised():
     except AssertionError as err:
         assert re.fullmatch(r"AssertionError: raised at test_training_recovery\.py:\d+", _reason(err))
     assert _reason(RuntimeError("x" * 500 + "\nsecond line")) == "RuntimeError: " + "x" * 200 + "..."
+
+
+def test_a_failure_shows_the_ranks_last_lines_without_warnings_or_torchruns_post_mortem():
+    """As a ZeRO-3 run prints them: the cause, then dozens of deprecation warnings, then torchrun's summary."""
+    warning = [
+        "/venv/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` is deprecated.\n",
+        "  return func(*args, **kwargs)\n",
+    ]
+    lines = [
+        "step 1/3: loss 16.548\n",
+        "Traceback (most recent call last):\n",
+        '  File "loop.py", line 9, in train\n',
+        "RuntimeError: the real cause\n",
+        *warning * 30,
+        "  warnings.warn(\n",
+        f"E1206 12:00:00 {POST_MORTEM}:869] failed (exitcode: 1)\n",
+        "  rank: 0\n",
+    ]
+    tail = ErrorTail(keep=4)
+    for line in lines:
+        tail.add(line)
+    assert list(tail.lines) == [
+        "Traceback (most recent call last):",
+        '  File "loop.py", line 9, in train',
+        "RuntimeError: the real cause",
+        "  warnings.warn(",  # a multi-line warning's source line: kept, as it cannot be told apart
+    ]
