@@ -129,6 +129,9 @@ class CurriculumStage:
     cut_loops: bool | None = None  # packing.cut_loops for this stage (an on-policy round's own trajectories)
     max_new_tokens: int | None = None  # trajectory length; default trajectories.max_new_tokens
     prompts_limit: int | None = None  # the first this many prompts of the (shuffled) set; default prompts.limit
+    # PromptSource keys over the recipe's `prompts` for this stage's trajectories, e.g. {path: .../mbpp_train.jsonl}
+    # for a round on one domain; the held-out slice and the acceptance measured while it trains come from them too.
+    prompts: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,10 @@ class CurriculumStage:
         check(
             self.prompts_limit is None or self.prompts_limit >= 1,
             f"prompts_limit: must be >= 1, got {self.prompts_limit}",
+        )
+        check(
+            self.prompts_limit is None or "limit" not in self.prompts,
+            f"curriculum[{self.name}]: prompts_limit and prompts.limit both set; keep one",
         )
 
 
@@ -200,7 +207,10 @@ class Recipe:
                 window=stage.window or self.packing.window,
                 cut_loops=self.packing.cut_loops if stage.cut_loops is None else stage.cut_loops,
             )
-            prompts = replace(self.prompts, limit=stage.prompts_limit or self.prompts.limit)
+            prompts = from_dict(
+                PromptSource, to_dict(self.prompts) | stage.prompts, f"curriculum[{stage.name}].prompts"
+            )
+            prompts = replace(prompts, limit=stage.prompts_limit or prompts.limit)
             training = self.training | stage.training
             plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))
             # the next stage starts from this one's trained model

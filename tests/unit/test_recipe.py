@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,12 +110,15 @@ def test_a_curriculum_chains_its_stages():
             "packing": {"window": 8},
             "training": {"learning_rate": 1e-5, "epochs": 2},
             "curriculum": [
-                {"name": "n16", "block_size": 16, "window": 16},
+                {"name": "n16", "block_size": 16, "window": 16, "prompts": {"path": "code.jsonl", "field": "text"}},
                 {"name": "n32", "block_size": 32, "prompts_limit": 10, "training": {"learning_rate": 5e-6}},
             ],
         }
     )
     first, second = recipe.stages()
+    # a stage's own prompt source changes only the keys it names, and only for that stage
+    assert (first.prompts.path, first.prompts.field) == ("code.jsonl", "text")
+    assert second.prompts == replace(recipe.prompts, limit=10)
     root = Path("runs/x").resolve()
     assert (first.folder, second.folder) == (root / "n16", root / "n32")
     assert first.model.name_or_path == "smollm2-135m-instruct"
@@ -144,6 +148,14 @@ def test_a_curriculum_chains_its_stages():
         ([{"name": "a", "block_size": 16, "training": {"lr": 1}}], "training (a): unknown key 'lr'"),
         ([{"name": "a/b", "block_size": 16}], "must be a plain folder name"),
         ([{"name": "a", "block_sise": 16}], "unknown key 'block_sise' (did you mean 'block_size'?)"),
+        (
+            [{"name": "a", "block_size": 16, "prompts": {"paht": "x.jsonl"}}],
+            "curriculum[a].prompts: unknown key 'paht' (did you mean 'path'?)",
+        ),
+        (
+            [{"name": "a", "block_size": 16, "prompts_limit": 5, "prompts": {"limit": 6}}],
+            "prompts_limit and prompts.limit both set",
+        ),
     ],
 )
 def test_a_malformed_curriculum_names_the_stage(curriculum, message):
