@@ -220,17 +220,21 @@ def test_the_2_hour_recipe_is_the_measured_ablation_variant():
     assert recipe.evaluation.base_vs_trained and "tuned" in recipe.evaluation.decoding.methods
 
 
-def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model_twice():
+def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model_twice_then_on_code():
     """configs/campaign/cpu-2h-onpolicy.yaml's first round is cpu-2h.yaml's run in the same folder (so the flow
     reuses it); each later round decodes its trajectories with the round before's model, at the same block size,
-    and packs its answers only up to the loops they end in."""
+    and packs its answers only up to the loops they end in. The last round decodes MBPP's training prompts."""
     two_hours = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml").stages()[0]
-    first, *rounds = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-onpolicy.yaml").stages()
+    first, *rounds, code = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-onpolicy.yaml").stages()
     for part in ("folder", "model", "prompts", "trajectories", "packing", "training"):
         assert getattr(first, part) == getattr(two_hours, part), part
     assert len(rounds) == 2 and not first.packing.cut_loops
-    for before, stage in zip([first, *rounds], rounds):
+    for before, stage in zip([first, *rounds], [*rounds, code]):
         assert stage.model.name_or_path == str(before.path("training") / "latest" / "final")
-        assert stage.trajectories == first.trajectories and stage.prompts == first.prompts
+        assert stage.trajectories == first.trajectories
         assert stage.packing.cut_loops and stage.packing.window == first.packing.window
-        assert stage.training.max_steps == 400 and stage.training.ar_weight == first.training.ar_weight
+        assert stage.training.ar_weight == first.training.ar_weight
+    for stage in rounds:
+        assert stage.prompts == first.prompts and stage.training.max_steps == 400
+    assert Path(code.prompts.path).name == "mbpp_train.jsonl" and code.prompts.limit == first.prompts.limit
+    assert code.training.max_steps == 150
