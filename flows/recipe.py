@@ -207,10 +207,8 @@ class Recipe:
                 window=stage.window or self.packing.window,
                 cut_loops=self.packing.cut_loops if stage.cut_loops is None else stage.cut_loops,
             )
-            prompts = from_dict(
-                PromptSource, to_dict(self.prompts) | stage.prompts, f"curriculum[{stage.name}].prompts"
-            )
-            prompts = replace(prompts, limit=stage.prompts_limit or prompts.limit)
+            limit = {"limit": stage.prompts_limit} if stage.prompts_limit else {}
+            prompts = replace_checked(self.prompts, f"curriculum[{stage.name}].prompts", **stage.prompts, **limit)
             training = self.training | stage.training
             plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))
             # the next stage starts from this one's trained model

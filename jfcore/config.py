@@ -106,9 +106,9 @@ def load_sections(
     return {name: from_dict(cls, recipe.get(name) or {}, name) for name, cls in sections.items()}
 
 
-def replace_checked(config: T, **changes: Any) -> T:
-    """A copy of ``config`` with ``changes`` applied and validated like a fresh load."""
-    return from_dict(type(config), {**to_dict(config), **changes})
+def replace_checked(config: T, where: str | None = None, /, **changes: Any) -> T:
+    """A copy of ``config`` with ``changes`` applied and validated like a fresh load; errors name ``where``."""
+    return from_dict(type(config), {**to_dict(config), **changes}, where)
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
