@@ -127,6 +127,7 @@ class CurriculumStage:
     block_size: int
     window: int | None = None  # packing window; default packing.window
     cut_loops: bool | None = None  # packing.cut_loops for this stage (an on-policy round's own trajectories)
+    loop_period: int | None = None  # packing.loop_period for this stage
     max_new_tokens: int | None = None  # trajectory length; default trajectories.max_new_tokens
     prompts_limit: int | None = None  # the first this many prompts of the (shuffled) set; default prompts.limit
     # PromptSource keys over the recipe's `prompts` for this stage's trajectories, e.g. {path: .../mbpp_train.jsonl}
@@ -206,6 +207,7 @@ class Recipe:
                 self.packing,
                 window=stage.window or self.packing.window,
                 cut_loops=self.packing.cut_loops if stage.cut_loops is None else stage.cut_loops,
+                loop_period=self.packing.loop_period if stage.loop_period is None else stage.loop_period,
             )
             limit = {"limit": stage.prompts_limit} if stage.prompts_limit else {}
             prompts = replace_checked(self.prompts, f"curriculum[{stage.name}].prompts", **stage.prompts, **limit)

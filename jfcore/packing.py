@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from jfcore.atomic import atomic_write
 from jfcore.config import check, to_dict
 from jfcore.contracts import HELDOUT, PACKED_SCHEMA, STATS
-from jfcore.evaluation.repetition import short_loop_start
+from jfcore.evaluation.repetition import LOOP_PERIOD, short_loop_start
 from jfcore.trajectories import first_mismatch
 
 # The trajectory columns packing reads (jfcore.contracts.TRAJECTORY_SCHEMA).
@@ -89,6 +89,9 @@ class PackingConfig:
     # and training on them teaches more loops: the on-policy round's loop endings went from 10% to 27.5% of its
     # answers (docs/TRAINING.md, "What moves own-draft TPF").
     cut_loops: bool = False
+    # The longest loop period cut_loops looks for, in tokens: 2 finds newline and comma runs; 48 a repeated line or
+    # sentence too, which the default leaves in (a third round's own trajectories ended 23% of answers in one).
+    loop_period: int = LOOP_PERIOD
 
     def __post_init__(self) -> None:
         check(self.strategy in ("progressive", "random"), f"unknown strategy {self.strategy!r}")
@@ -102,6 +105,7 @@ class PackingConfig:
         check(self.sequences_per_shard >= 1, f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
         check(0.0 <= self.heldout_fraction < 1.0, f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         check(self.samples_per_prompt >= 1, f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        check(self.loop_period >= 1, f"loop_period must be >= 1, got {self.loop_period}")
 
 
 @dataclass
@@ -187,7 +191,7 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig, sample:
         raise PackingError(f"prompt {prompt_id!r}: {problem} (the trajectory shards are inconsistent)")
     n, P = rows[0]["block_size"], rows[0]["prompt_length"]
     T = len(rows) if config.max_length is None else min(len(rows), (config.max_length - P) // (2 * n))
-    T = min(T, loop_free_blocks(rows)) if config.cut_loops else T
+    T = min(T, loop_free_blocks(rows, config.loop_period)) if config.cut_loops else T
     if T <= 0:
         return None
     seq = {
@@ -214,11 +218,11 @@ def pack_prompt(prompt_id: str, rows: list[dict], config: PackingConfig, sample:
     return seq
 
 
-def loop_free_blocks(rows: list[dict]) -> int:
-    """How many of an answer's blocks (in order) end before the short loop the answer ends in: all of them when
-    it ends in none."""
+def loop_free_blocks(rows: list[dict], period: int = LOOP_PERIOD) -> int:
+    """How many of an answer's blocks (in order) end before the loop (of a period up to `period`) the answer ends
+    in: all of them when it ends in none."""
     answer = [token for row in rows for token in row["fixed_point"]]
-    start = short_loop_start(answer)
+    start = short_loop_start(answer, period)
     return len(rows) if start is None else start // rows[0]["block_size"]
 
 
@@ -286,7 +290,7 @@ def pack_shards(
                 held = is_heldout(config, prompt_id)
                 rows = sorted(by_prompt[prompt_id], key=lambda r: r["block_index"])
                 seq = pack_prompt(prompt_id, rows, config)  # checks the rows first
-                looped = len(rows) - loop_free_blocks(rows) if config.cut_loops else 0
+                looped = len(rows) - loop_free_blocks(rows, config.loop_period) if config.cut_loops else 0
                 (heldout if held else stats).loop_blocks += looped
                 if seq is None:
                     stats.skipped += looped < len(rows)  # an answer that is all loop is not "too long"

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from jfcore.config import ConfigError
 from jfcore.contracts import MANIFEST, PACKING, STATS, Selection
+from jfcore.evaluation.repetition import LOOP_PERIOD
 from jfcore.packing import PackingConfig, PackingError, pack_shards
 from jfcore.shards import run_key
 from tasks.orchestration import get_run_logger, task
@@ -65,9 +66,12 @@ def packed_problem(folder: str | Path) -> str | None:
 
 
 def packing_identity(packing: PackingConfig) -> dict:
-    """The packing settings a packed folder's key holds: `cut_loops` only when on, the key packed folders had
-    before it existed (so they, and the training runs on them, are reused)."""
+    """The packing settings a packed folder's key holds: `cut_loops` only when on and `loop_period` only when it
+    cuts other loops than the default, the keys packed folders had before these existed (so they, and the training
+    runs on them, are reused)."""
     settings = asdict(packing)
+    if not packing.cut_loops or packing.loop_period == LOOP_PERIOD:
+        del settings["loop_period"]
     if not packing.cut_loops:
         del settings["cut_loops"]
     return settings

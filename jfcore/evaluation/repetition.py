@@ -14,6 +14,8 @@ NGRAM = 4
 # A completion "ends in a short loop" when its last LOOP_RUN tokens repeat with a period of at most LOOP_PERIOD: a
 # newline after a newline, ",,,,", "(" and a newline by turns. That is how the trained models' code answers end when
 # they stop closing their code block (docs/TRAINING.md, "Losses"); the 4-gram share counts it only as part of the rest.
+# A longer period (packing.loop_period) finds a repeated line or sentence; its tail counts only once it holds two
+# whole periods, so that a phrase recurring once at the end is not a loop.
 LOOP_PERIOD = 2
 LOOP_RUN = 8
 
@@ -30,17 +32,17 @@ def repeated_share(tokens: Sequence[int], n: int = NGRAM) -> float:
 
 
 def short_loop_start(tokens: Sequence[int], period: int = LOOP_PERIOD, run: int = LOOP_RUN) -> int | None:
-    """Where the short loop that `tokens` ends in begins (the first token of its longest periodic tail), or None
-    when the last `run` tokens (and `period` more) repeat with no period of at most `period`."""
+    """Where the loop that `tokens` ends in begins (the first token of its longest periodic tail), or None when no
+    tail of max(`run` + LOOP_PERIOD, 2p) tokens repeats with a period p of at most `period`."""
     tokens = list(tokens)
-    if len(tokens) < run + period:
+    if len(tokens) < run + LOOP_PERIOD:
         return None
     starts = []
     for p in range(1, period + 1):
         start = len(tokens) - p  # the tail tokens[start:] repeats with period p
         while start > 0 and tokens[start - 1] == tokens[start - 1 + p]:
             start -= 1
-        if len(tokens) - start >= run + period:
+        if len(tokens) - start >= max(run + LOOP_PERIOD, 2 * p):
             starts.append(start)
     return min(starts, default=None)
 

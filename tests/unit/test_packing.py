@@ -401,11 +401,35 @@ def test_cut_loops_packs_each_answer_only_up_to_the_short_loop_it_ends_in(tmp_pa
     assert (cut.loop_blocks, cut.skipped, cut.dropped_blocks) == (3 + 5, 0, 0)
 
 
+def test_a_longer_loop_period_also_cuts_an_answer_that_repeats_a_line(tmp_path):
+    line = [100 + t for t in range(11)] + [198]  # a 12-token line, written again and again from token 16 on
+    answers = {"repeated line": list(range(20, 36)) + line * 2 + [100, 101], "fresh": list(range(40, 82))}
+    rows = [r for i, (p, a) in enumerate(answers.items()) for r in answer_rows(p, [1 + i, 2], a)]
+    path = write(tmp_path / "t.parquet", rows)
+    short, _ = pack([path], tmp_path / "short", cut_loops=True)
+    assert short.loop_blocks == 0  # period 12: not a short loop
+    long, table = pack([path], tmp_path / "long", cut_loops=True, loop_period=48)
+    assert {s["prompt_id"]: s["num_blocks"] for s in table.to_pylist()} == {"repeated line": 16 // N, "fresh": 6}
+    assert long.loop_blocks == 6 - 16 // N
+
+
+def test_a_phrase_said_once_more_at_the_end_is_no_loop():
+    from jfcore.evaluation.repetition import short_loop_start
+
+    text, phrase = list(range(20, 40)), list(range(100, 110))
+    assert short_loop_start(text + phrase + phrase[:9], period=48) is None  # under two whole periods
+    assert short_loop_start(text + phrase * 2, period=48) == 20
+    assert short_loop_start(text + phrase * 2) is None  # the default finds only periods of 1-2
+
+
 def test_cut_loops_off_keeps_the_packed_folder_key_it_had_before_the_option():
     """A recipe that leaves cut_loops off must reuse what was packed (and trained on it) before cut_loops existed."""
     from tasks.packing import packing_identity
 
     config = PackingConfig(window=8, max_noise=0.5, samples_per_prompt=9)
-    before = {k: v for k, v in dataclasses.asdict(config).items() if k != "cut_loops"}
+    before = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("cut_loops", "loop_period")}
     assert packing_identity(config) == before
+    assert packing_identity(dataclasses.replace(config, loop_period=48)) == before  # it cuts nothing unless on
     assert packing_identity(dataclasses.replace(config, cut_loops=True)) == before | {"cut_loops": True}
+    longer = dataclasses.replace(config, cut_loops=True, loop_period=48)
+    assert packing_identity(longer) == before | {"cut_loops": True, "loop_period": 48}

@@ -116,6 +116,9 @@ def test_a_curriculum_chains_its_stages():
         }
     )
     first, second = recipe.stages()
+    looped = load_recipe(GOOD | {"curriculum": [{"name": "a", "block_size": 8, "cut_loops": True, "loop_period": 48}]})
+    assert (looped.stages()[0].packing.cut_loops, looped.stages()[0].packing.loop_period) == (True, 48)
+    assert (first.packing.cut_loops, first.packing.loop_period) == (False, 2)  # the recipe's
     # a stage's own prompt source changes only the keys it names, and only for that stage
     assert (first.prompts.path, first.prompts.field) == ("code.jsonl", "text")
     assert second.prompts == replace(recipe.prompts, limit=10)
