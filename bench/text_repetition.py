@@ -1,7 +1,7 @@
 """Is a trained model's higher TPF bought by repeating itself? Repetition of each model's greedy completions in an
 evaluation report: the share of tokens that close a 4-gram the completion already held (a loop scores near 1,
-fresh text near 0), the share of completions that end in a short loop (a newline after a newline, ",,,,"), beside
-accuracy and mean length.
+fresh text near 0), the share of completions that end in a short loop (a newline after a newline, ",,,,") and in
+any loop of a period up to 48 tokens (a line or sentence written again and again), beside accuracy and mean length.
 
     python -m bench.text_repetition runs/ablation/evaluation/<run key>/report
 
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from jfcore.evaluation.repetition import ends_in_short_loop, repeated_share
+from jfcore.evaluation.repetition import ends_in_short_loop, repeated_share, short_loop_start
+
+LINE_PERIOD = 48  # the longest loop period counted as a repeated line (packing.loop_period's setting for it)
 
 
 def summarize(report: Path) -> dict:
@@ -33,6 +35,7 @@ def summarize(report: Path) -> dict:
             "samples": len(rs),
             "repeated_4gram_share": sum(repeated_share(r["tokens"]) for r in rs) / len(rs),
             "short_loop_ends": sum(ends_in_short_loop(r["tokens"]) for r in rs) / len(rs),
+            "loop_ends": sum(short_loop_start(r["tokens"], LINE_PERIOD) is not None for r in rs) / len(rs),
             "accuracy": sum(bool(r["correct"]) for r in rs) / len(rs),
             "mean_new_tokens": sum(r["new_tokens"] for r in rs) / len(rs),
         }
@@ -47,13 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summary = summarize(args.report)
     print(
-        "| benchmark / model | samples | repeated 4-gram share | ending in a short loop | accuracy | mean new tokens |"
+        "| benchmark / model | samples | repeated 4-gram share | ending in a short loop | in any loop "
+        "| accuracy | mean new tokens |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, s in summary.items():
         print(
             f"| {key} | {s['samples']} | {s['repeated_4gram_share']:.3f} | {s['short_loop_ends']:.3f} "
-            f"| {s['accuracy']:.3f} | {s['mean_new_tokens']:.1f} |"
+            f"| {s['loop_ends']:.3f} | {s['accuracy']:.3f} | {s['mean_new_tokens']:.1f} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"report": str(args.report), "summary": summary}, indent=1))

@@ -233,6 +233,25 @@ def test_text_repetition_counts_the_4grams_a_completion_repeats():
     assert repeated_share(list(range(12))) == 0.0 and repeated_share([1, 2]) == 0.0
 
 
+def test_text_repetition_counts_answers_that_end_in_a_repeated_line_apart_from_short_loops(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bench.text_repetition import summarize
+
+    text, line = list(range(20)), list(range(100, 112))
+    answers = {"line": text + line * 3, "newlines": text + [198] * 12, "fresh": list(range(60))}
+    rows = [
+        {"benchmark": "gsm8k", "model": "trained", "method": m, "tokens": a, "correct": False, "new_tokens": len(a)}
+        for a in answers.values()
+        for m in ("hf_greedy", "tuned")
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "samples.parquet")
+    summary = summarize(tmp_path)["all/trained"]
+    assert summary["samples"] == 3  # greedy answers only
+    assert (summary["short_loop_ends"], summary["loop_ends"]) == (1 / 3, 2 / 3)
+
+
 def test_a_completion_ends_in_a_short_loop_when_its_last_tokens_repeat_with_period_one_or_two():
     from jfcore.evaluation.repetition import ends_in_short_loop
 
