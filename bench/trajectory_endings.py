@@ -3,7 +3,9 @@ to end are the base model's greedy answer (docs/DESIGN.md, section 3). This coun
 within the store's token budget), that hold a code fence, and that close a code block and then end: the step a short
 code answer takes, and the one where trained models went into a newline after a newline instead
 (bench/published/repeat-only-cpu-2026-12-06). It also gives the share of newline tokens among the fixed points and
-among the drafts' wrong tokens, which is what the student sees in the noisy blocks.
+among the drafts' wrong tokens, which is what the student sees in the noisy blocks, and the answers that end in a
+loop (a short one, or a line written again and again) with the share of tokens those loops hold: what an on-policy
+round trains back in unless packing cuts it (packing.cut_loops, packing.loop_period).
 
     python -m bench.trajectory_endings runs/ablation/trajectories/<key> --tokenizer smollm2-135m-instruct
 """
@@ -17,6 +19,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from bench.text_repetition import LINE_PERIOD
+from jfcore.evaluation.repetition import short_loop_start
 
 FENCE = "```"
 
@@ -34,7 +39,7 @@ def answer_endings(rows: Iterable[dict], eos: int, decode: Callable[[list[int]],
             newline[token] = "\n" in text and not text.strip()
         return newline[token]
 
-    ended = fenced = closed_then_ended = 0
+    ended = fenced = closed_then_ended = short_loops = loops = loop_tokens = answer_tokens = 0
     fixed_tokens = fixed_newlines = wrong_tokens = wrong_newlines = 0
     for prompt_blocks in blocks.values():
         prompt_blocks.sort(key=lambda r: r["block_index"])
@@ -43,6 +48,11 @@ def answer_endings(rows: Iterable[dict], eos: int, decode: Callable[[list[int]],
         ended += eos in answer
         fenced += FENCE in text
         closed_then_ended += eos in answer and text.rstrip().endswith(FENCE)
+        short_loops += short_loop_start(answer) is not None
+        loop = short_loop_start(answer, LINE_PERIOD)
+        loops += loop is not None
+        loop_tokens += 0 if loop is None else len(answer) - loop
+        answer_tokens += len(answer)
         for r in prompt_blocks:
             fixed_tokens += len(r["fixed_point"])
             fixed_newlines += sum(map(is_newline, r["fixed_point"]))
@@ -55,6 +65,9 @@ def answer_endings(rows: Iterable[dict], eos: int, decode: Callable[[list[int]],
         "ended": ended,
         "with_code_fence": fenced,
         "closed_code_block_then_ended": closed_then_ended,
+        "short_loop_ends": short_loops,
+        "loop_ends": loops,  # any period up to LINE_PERIOD, short loops included
+        "loop_token_share": loop_tokens / max(answer_tokens, 1),
         "newline_share_fixed_points": fixed_newlines / max(fixed_tokens, 1),
         "newline_share_wrong_draft_tokens": wrong_newlines / max(wrong_tokens, 1),
     }

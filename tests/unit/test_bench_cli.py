@@ -451,6 +451,22 @@ def test_trajectory_endings_counts_answers_that_end_and_code_blocks_closed_befor
     ]
     figures = answer_endings(rows, eos=2, decode=decode)
     assert figures["prompts"] == 3 and figures["ended"] == 2 and figures["with_code_fence"] == 2
+    assert figures["short_loop_ends"] == figures["loop_ends"] == 0
     assert figures["closed_code_block_then_ended"] == 1  # "```\nx\n```" then EOS; "```x y" then EOS is not closed
     assert figures["newline_share_fixed_points"] == 2 / 12
     assert figures["newline_share_wrong_draft_tokens"] == 1 / 3  # the wrong tokens: 3 (a newline), 4 and 5
+
+
+def test_trajectory_endings_counts_answers_that_end_in_a_loop_and_the_tokens_it_holds():
+    from bench.trajectory_endings import answer_endings
+
+    line = [4, 5, 5, 4, 4, 5, 3]  # a 7-token line, written 4 times after 10 tokens of text
+    answers = {"lines": list(range(10, 20)) + line * 4, "newlines": list(range(10, 28)) + [3] * 20}
+    rows = [
+        {"prompt_id": p, "block_index": j, "states": [a[k : k + 8]], "fixed_point": a[k : k + 8]}
+        for p, a in answers.items()
+        for j, k in enumerate(range(0, len(a), 8))
+    ]
+    figures = answer_endings(rows, eos=2, decode=lambda tokens: "")
+    assert (figures["short_loop_ends"], figures["loop_ends"]) == (1, 2)
+    assert figures["loop_token_share"] == (28 + 20) / 76
