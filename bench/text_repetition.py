@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from jfcore.evaluation.repetition import ends_in_short_loop, repeated_share, short_loop_start
-
-LINE_PERIOD = 48  # the longest loop period counted as a repeated line (packing.loop_period's setting for it)
+from jfcore.evaluation.repetition import LINE_PERIOD, ends_in_short_loop, repeated_share, short_loop_start
 
 
 def summarize(report: Path) -> dict:

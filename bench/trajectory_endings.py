@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from bench.text_repetition import LINE_PERIOD
-from jfcore.evaluation.repetition import short_loop_start
+from jfcore.evaluation.repetition import LINE_PERIOD, short_loop_start
 
 FENCE = "```"
 

@@ -18,6 +18,7 @@ NGRAM = 4
 # whole periods, so that a phrase recurring once at the end is not a loop.
 LOOP_PERIOD = 2
 LOOP_RUN = 8
+LINE_PERIOD = 48  # the longest period counted as a repeated line (packing.loop_period's setting for it)
 
 
 def repeated_share(tokens: Sequence[int], n: int = NGRAM) -> float:
