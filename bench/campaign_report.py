@@ -106,21 +106,39 @@ def _cells(row: dict) -> dict:
     return {k: row.get(k) for k in keys}
 
 
+def _current_outputs(recipe: Recipe) -> dict[str, Path]:
+    """Stage name in timings.jsonl -> the folder this report reads: the newest trajectory store, the latest
+    training run."""
+    outputs = {}
+    for plan in recipe.stages():
+        where = f"/{plan.name}" if recipe.curriculum else ""
+        try:
+            outputs[f"{TRAJECTORIES}{where}"] = newest_selection(plan.path(TRAJECTORIES)).resolve().parent.parent
+        except ConfigError:  # not generated (yet)
+            pass
+        if (run := plan.path(TRAINING) / LATEST).exists():
+            outputs[f"{TRAINING}{where}"] = run.resolve()
+    return outputs
+
+
 def phase_figures(recipe: Recipe) -> dict:
-    """Seconds per stage the flow ran (summed over runs, from timings.jsonl) and trajectory throughput in
-    generated tokens/s."""
+    """Seconds per stage the flow ran and trajectory throughput in generated tokens/s. A stage's seconds are
+    summed over the runs that wrote the output this report reads (a resumed run's pieces); a rerun with other
+    settings under the same stage name is left out. Records written before they named their output are summed."""
     path = recipe.path(TIMINGS)
     records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    outputs = _current_outputs(recipe)
     figures: dict = {}
     for r in records:
+        current = outputs.get(r["stage"])
+        if current is not None and r.get("output") is not None and Path(r["output"]) != current:
+            continue
         entry = figures.setdefault(r["stage"], {"seconds": 0.0, "invocations": 0})
         entry["seconds"] += r["seconds"]
         entry["invocations"] += 1
     for plan in recipe.stages():
         key = f"{TRAJECTORIES}/{plan.name}" if recipe.curriculum else TRAJECTORIES
-        try:
-            store = newest_selection(plan.path(TRAJECTORIES)).parent.parent
-        except ConfigError:  # not generated (yet)
+        if (store := outputs.get(key)) is None:
             continue
         generated = sum(
             sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())

@@ -177,12 +177,14 @@ def chosen_curriculum(config: Recipe, names: list[str] | None) -> list[str]:
 @contextmanager
 def _timed(config: Recipe, stage: str, ran: bool = True):
     """Append the stage's seconds to work_dir/timings.jsonl (throughput figures in bench.campaign_report), when
-    it `ran` rather than handed on an earlier output."""
-    began = time.perf_counter()
-    yield
+    it `ran` rather than handed on an earlier output. The body may set the yielded record's "output" (the folder
+    it wrote), so a report counts the seconds of the output it reports and not those of a rerun with other
+    settings under the same stage name."""
+    began, record = time.perf_counter(), {"stage": stage}
+    yield record
     if not ran:
         return
-    record = {"stage": stage, "seconds": time.perf_counter() - began, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    record |= {"seconds": time.perf_counter() - began, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(config.path(TIMINGS), "a") as file:
         file.write(json.dumps(record) + "\n")
 
@@ -220,17 +222,20 @@ def _chain(
             return i < upto or STAGES.index(stage) <= last
 
         where = f"/{plan.name}" if plan.label else ""
-        with _timed(config, f"trajectories{where}", runs("trajectories")):
+        with _timed(config, f"trajectories{where}", runs("trajectories")) as timing:
             trajectories = trajectories_task(
                 plan, config.ray, config.prompts_per_shard, registered, runs("trajectories")
             )
+            timing["output"] = str(Path(trajectories.selection).resolve().parent.parent)  # the store
         packing = trained = None
         if needed("packing"):
-            with _timed(config, f"packing{where}", runs("packing")):
+            with _timed(config, f"packing{where}", runs("packing")) as timing:
                 packing = packing_task(plan, trajectories.selection, registered, runs("packing"))
+                timing["output"] = str(Path(packing.folder).resolve())
         if needed("training"):
-            with _timed(config, f"training{where}", runs("training")):
+            with _timed(config, f"training{where}", runs("training")) as timing:
                 trained = training_task(plan, packing.folder, config.launch, registered, runs("training"), resume)
+                timing["output"] = str(Path(trained.folder).resolve())
             model = replace(config.model, name_or_path=trained.final, gguf_file=None)
         result.stages[plan.name] = StageResults(trajectories, packing, trained)
     if last <= STAGES.index("training"):

@@ -14,7 +14,7 @@ The stages and their folders under a recipe's `work_dir` (docs/DESIGN.md, "Stage
     evaluation/<key>/                shard-NNNNN.parquet (SAMPLE_SCHEMA), manifest.json, report/
     evaluation/summary.json          the newest evaluation's table and folders (SUMMARY; also in curve/, fp32-check/)
     curve/<key>/, fp32-check/<key>/  a recipe's learning curve and float32 check, laid out like evaluation/
-    timings.jsonl                    one record per stage the flow ran: its name and seconds (TIMINGS)
+    timings.jsonl                    one record per stage the flow ran: its name, seconds and output folder (TIMINGS)
     registry/<model>-v<version>/     the champion, downloaded once
 
 A stage folder tracked in MLflow also holds mlflow_run.json: the run a resumed stage keeps logging to.
@@ -41,7 +41,7 @@ TRAJECTORIES, PACKING, TRAINING, TUNING, EVALUATION, REGISTRY = (
 )
 CURVE, FP32_CHECK = "curve", "fp32-check"  # the evaluation stage's optional extra evaluations (flows/recipe.py)
 SUMMARY = "summary.json"  # in an evaluation folder: label -> the newest run's folder, report, table, exactness
-TIMINGS = "timings.jsonl"  # in work_dir: {"stage": "trajectories/n16", "seconds": ..., "finished": ...} per stage run
+TIMINGS = "timings.jsonl"  # in work_dir: {"stage": "trajectories/n16", "seconds": ..., "finished": ..., "output": folder} per stage run
 
 MANIFEST = "manifest.json"  # a sharded run folder's shards, their checksums and settings
 SETS = "sets"  # in a trajectory store: one selection file per prompt set

@@ -97,6 +97,11 @@ def test_every_stage_runs_without_servers_and_the_report_reads_what_they_wrote(s
         "curve",
         "fp32-check",
     ]
+    # Each stage's record names the folder it wrote, so the report counts only the seconds of what it reports.
+    outputs = {r["stage"]: r.get("output") for r in map(json.loads, (work / "timings.jsonl").read_text().splitlines())}
+    assert outputs["training/n8"] == str((work / "n8" / "training" / "latest").resolve())
+    assert outputs["packing/n4"] == str(next((work / "n4" / "packing").iterdir()).resolve())
+    assert Path(outputs["trajectories/n4"], "manifest.json").is_file()
     report = work / "report"
     for name in ("results.json", "results.md", "tpf_vs_training_tokens.png", "speedup_vs_accuracy.png"):
         assert (report / name).stat().st_size > 0, name
