@@ -41,6 +41,7 @@ from jfcore.contracts import (
     TIMINGS,
     TRAINING,
     TRAJECTORIES,
+    Selection,
 )
 from jfcore.environment import cpu_model, usable_cores
 from jfcore.evaluation.report import COLUMNS
@@ -113,7 +114,9 @@ def _current_outputs(recipe: Recipe) -> dict[str, Path]:
     for plan in recipe.stages():
         where = f"/{plan.name}" if recipe.curriculum else ""
         try:
-            outputs[f"{TRAJECTORIES}{where}"] = newest_selection(plan.path(TRAJECTORIES)).resolve().parent.parent
+            outputs[f"{TRAJECTORIES}{where}"] = Path(
+                Selection.read(newest_selection(plan.path(TRAJECTORIES))).store
+            ).resolve()
         except ConfigError:  # not generated (yet)
             pass
         if (run := plan.path(TRAINING) / LATEST).exists():
@@ -136,9 +139,8 @@ def phase_figures(recipe: Recipe) -> dict:
         entry = figures.setdefault(r["stage"], {"seconds": 0.0, "invocations": 0})
         entry["seconds"] += r["seconds"]
         entry["invocations"] += 1
-    for plan in recipe.stages():
-        key = f"{TRAJECTORIES}/{plan.name}" if recipe.curriculum else TRAJECTORIES
-        if (store := outputs.get(key)) is None:
+    for key, store in outputs.items():
+        if not key.startswith(TRAJECTORIES):
             continue
         generated = sum(
             sum(len(f) for f in pq.read_table(p, columns=["fixed_point"])["fixed_point"].to_pylist())

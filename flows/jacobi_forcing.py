@@ -184,6 +184,8 @@ def _timed(config: Recipe, stage: str, ran: bool = True):
     yield record
     if not ran:
         return
+    if "output" in record:
+        record["output"] = str(Path(record["output"]).resolve())
     record |= {"seconds": time.perf_counter() - began, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(config.path(TIMINGS), "a") as file:
         file.write(json.dumps(record) + "\n")
@@ -226,16 +228,16 @@ def _chain(
             trajectories = trajectories_task(
                 plan, config.ray, config.prompts_per_shard, registered, runs("trajectories")
             )
-            timing["output"] = str(Path(trajectories.selection).resolve().parent.parent)  # the store
+            timing["output"] = trajectories.read().store
         packing = trained = None
         if needed("packing"):
             with _timed(config, f"packing{where}", runs("packing")) as timing:
                 packing = packing_task(plan, trajectories.selection, registered, runs("packing"))
-                timing["output"] = str(Path(packing.folder).resolve())
+                timing["output"] = packing.folder
         if needed("training"):
             with _timed(config, f"training{where}", runs("training")) as timing:
                 trained = training_task(plan, packing.folder, config.launch, registered, runs("training"), resume)
-                timing["output"] = str(Path(trained.folder).resolve())
+                timing["output"] = trained.folder
             model = replace(config.model, name_or_path=trained.final, gguf_file=None)
         result.stages[plan.name] = StageResults(trajectories, packing, trained)
     if last <= STAGES.index("training"):
