@@ -225,8 +225,9 @@ def _chain(
 
         where = f"/{plan.name}" if plan.label else ""
         with _timed(config, f"trajectories{where}", runs("trajectories")) as timing:
+            anchor = result.stages[plan.anchor].trajectories.selection if plan.anchor else None
             trajectories = trajectories_task(
-                plan, config.ray, config.prompts_per_shard, registered, runs("trajectories")
+                plan, config.ray, config.prompts_per_shard, registered, runs("trajectories"), anchor
             )
             timing["output"] = trajectories.read().store
         packing = trained = None

@@ -133,6 +133,9 @@ class CurriculumStage:
     # PromptSource keys over the recipe's `prompts` for this stage's trajectories, e.g. {path: .../mbpp_train.jsonl}
     # for a round on one domain; the held-out slice and the acceptance measured while it trains come from them too.
     prompts: dict[str, Any] = field(default_factory=dict)
+    # An earlier stage, decoded on the same prompts, whose text gives this stage's fixed points: its model's own
+    # Jacobi iterates run on that text instead of writing its own (docs/TRAINING.md, "Anchored rounds").
+    anchor: str | None = None
     training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -179,6 +182,11 @@ class Recipe:
         check(self.prompts_per_shard >= 1, f"prompts_per_shard: must be >= 1, got {self.prompts_per_shard}")
         names = [s.name for s in self.curriculum]
         check(len(set(names)) == len(names), f"curriculum: stage names must differ, got {names}")
+        for i, stage in enumerate(self.curriculum):
+            check(
+                stage.anchor is None or stage.anchor in names[:i],
+                f"curriculum[{stage.name}].anchor: {stage.anchor!r} is not an earlier stage (earlier: {names[:i]})",
+            )
         self.stages()  # unknown or invalid training keys (and stage values) fail here, at load
         methods = self.evaluation.decoding.methods
         check(
@@ -212,7 +220,8 @@ class Recipe:
             limit = {"limit": stage.prompts_limit} if stage.prompts_limit else {}
             prompts = replace_checked(self.prompts, f"curriculum[{stage.name}].prompts", **stage.prompts, **limit)
             training = self.training | stage.training
-            plans.append(self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training))
+            plan = self._plan(stage.name, root / stage.name, model, prompts, trajectories, packing, training)
+            plans.append(replace(plan, anchor=stage.anchor))
             # the next stage starts from this one's trained model
             model = replace(self.model, name_or_path=str(root / stage.name / TRAINING / LATEST / FINAL), gguf_file=None)
         return plans

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from jfcore.config import check
 from jfcore.contracts import TRAJECTORY_SCHEMA
 from jfcore.decoding import BlockTrajectory, DecodeConfig, decode
+from jfcore.teacher_forced import anchored_blocks
 
 
 def first_mismatch(state: Sequence[int], fixed_point: Sequence[int]) -> int:
@@ -108,3 +110,42 @@ def decode_trajectories(
                 pid, prompt, generated, blocks, config.block_size, model_fingerprint, tokenizer_fingerprint
             )
     return rows_to_table(rows)
+
+
+def anchored_trajectories(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[str],
+    prompts: Sequence[Sequence[int]],
+    references: Sequence[Sequence[int]],
+    config: TrajectoryConfig,
+    model_fingerprint: str,
+    tokenizer_fingerprint: str,
+) -> pa.Table:
+    """Rows of an anchored round: the model's own Jacobi iterates on every block of each prompt's reference
+    response, whose blocks are the fixed points (jfcore/teacher_forced.py; docs/TRAINING.md, "Anchored rounds")."""
+    rows: list[dict] = []
+    for pid, prompt, reference in zip(prompt_ids, prompts, references, strict=True):
+        blocks = anchored_blocks(model, prompt, reference, config.block_size, config.seed, config.filler)
+        rows += trajectory_rows(
+            pid, prompt, reference, blocks, config.block_size, model_fingerprint, tokenizer_fingerprint
+        )
+    return rows_to_table(rows)
+
+
+def responses(files: dict[str, Sequence[str]]) -> dict[str, tuple[list[int], list[int]]]:
+    """Prompt id -> (prompt, response) of the trajectory rows in `files` (shard path -> prompt ids, as
+    `Selection.files()` gives them): the response is the prompt's fixed points in block order."""
+    blocks: dict[str, list[dict]] = {}
+    columns = ["prompt_id", "block_index", "prompt_length", "context", "fixed_point"]
+    for path, ids in files.items():
+        wanted = set(ids)
+        for row in pq.read_table(path, columns=columns).to_pylist():
+            if row["prompt_id"] in wanted:
+                blocks.setdefault(row["prompt_id"], []).append(row)
+    out = {}
+    for pid, rows in blocks.items():
+        rows.sort(key=lambda r: r["block_index"])
+        if [r["block_index"] for r in rows] != list(range(len(rows))):
+            raise ValueError(f"prompt {pid!r} misses blocks in {sorted(files)}: decode its trajectories again")
+        out[pid] = (rows[0]["context"][: rows[0]["prompt_length"]], [t for r in rows for t in r["fixed_point"]])
+    return out

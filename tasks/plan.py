@@ -23,6 +23,7 @@ class StagePlan:
     trajectories: TrajectoryConfig
     packing: PackingConfig
     training: TrainConfig  # its data and output_dir are filled in by the training stage
+    anchor: str | None = None  # the earlier stage whose trajectories' text gives this one's fixed points
 
     def path(self, stage: str) -> Path:
         return self.folder / stage

@@ -32,7 +32,7 @@ from jfcore.models import (
 )
 from jfcore.prompts import BUILTIN, PromptSet, PromptSource, builtin_prompts_path, encode_prompts
 from jfcore.shards import ShardSpec, drop_unverified, plan_shards, read_manifest, run_key, write_shard
-from jfcore.trajectories import TrajectoryConfig, decode_trajectories
+from jfcore.trajectories import TrajectoryConfig, anchored_trajectories, decode_trajectories, responses
 from tasks.orchestration import Progress, get_run_logger, progress_artifact, task
 from tasks.plan import StagePlan
 from tasks.ray_workers import RayConfig, fill_shards, get, ray_session, start_workers
@@ -57,8 +57,20 @@ class TrajectoryWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, spec: ShardSpec, ids: list[str], prompts: list[list[int]], keys: list[str], folder: str):
-        table = decode_trajectories(self.model, ids, prompts, self.config, self.model_fp, self.tokenizer_fp)
+    def run(
+        self,
+        spec: ShardSpec,
+        ids: list[str],
+        prompts: list[list[int]],
+        keys: list[str],
+        folder: str,
+        references: list[list[int]] | None = None,  # an anchored round's reference responses, one per prompt
+    ):
+        fingerprints = self.model_fp, self.tokenizer_fp
+        if references is None:
+            table = decode_trajectories(self.model, ids, prompts, self.config, *fingerprints)
+        else:
+            table = anchored_trajectories(self.model, ids, prompts, references, self.config, *fingerprints)
         return write_shard(table, Path(folder), spec, len(prompts), tuple(keys))
 
 
@@ -80,8 +92,13 @@ def generate_trajectories(
     prompts_per_shard: int = 64,
     log: Callable[[str], None] = print,
     progress: Progress | None = None,
+    anchor: str | Path | None = None,
 ) -> Path:
-    """Decode the prompts the store does not hold yet; returns the prompt set's selection file."""
+    """Decode the prompts the store does not hold yet; returns the prompt set's selection file.
+
+    With `anchor` (another trajectory stage's selection file, decoded on the same prompts), the model does not
+    write its own text: its Jacobi iterates run on each block of the anchor's responses, which are the fixed
+    points (jfcore/teacher_forced.py)."""
     tokenizer = load_tokenizer(model)
     prompt_set = encode_prompts(prompts, tokenizer)
     if not prompt_set.ids:
@@ -89,7 +106,12 @@ def generate_trajectories(
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
     # How forwards run (compile) changes no token: stores made either way are the same store.
     settings = {k: v for k, v in asdict(trajectory).items() if k != "compile"}
-    store = Path(out_dir) / run_key(model=source_fingerprint(model), tokenizer=tokenizer_fp, trajectory=settings)
+    key = {"model": source_fingerprint(model), "tokenizer": tokenizer_fp, "trajectory": settings}
+    references = _references(Path(anchor), prompt_set, tokenizer_fp) if anchor else None
+    if anchor:
+        key["anchor"] = Path(Selection.read(anchor).store).name
+        log(f"anchored: fixed points from {anchor}, the model's own iterates on them")
+    store = Path(out_dir) / run_key(**key)
     keys = prompt_set.keys()
     # a shard whose file is gone or damaged is forgotten, so its prompts count as new
     held = {key: name for name, record in drop_unverified(store).items() for key in record.keys}
@@ -100,7 +122,7 @@ def generate_trajectories(
         f"store {store}"
     )
     if todo:
-        job = _Job(model, trajectory, store, prompt_set, keys, todo, tokenizer_fp)
+        job = _Job(model, trajectory, store, prompt_set, keys, todo, tokenizer_fp, references)
         with ray_session(ray_config):
             held |= _decode(job, ray_config, prompts_per_shard, log, progress)
     return _write_selection(store, prompt_set, keys, held, reused=len(keys) - len(todo))
@@ -117,6 +139,27 @@ class _Job:
     keys: list[str]
     todo: list[int]
     tokenizer_fp: str
+    references: list[list[int]] | None = None  # an anchored round's responses, one per prompt of the set
+
+
+def _references(anchor: Path, prompt_set: PromptSet, tokenizer_fp: str) -> list[list[int]]:
+    """The anchor selection's response to each prompt of the set, which must hold every one of them."""
+    chosen = Selection.read(anchor)
+    if chosen.settings.get("tokenizer_fingerprint") not in (None, tokenizer_fp):
+        raise ConfigError(
+            f"anchor {anchor} was decoded with another tokenizer; anchor a stage of the same model family"
+        )
+    known = responses(chosen.files())
+    out = []
+    for pid, tokens in zip(prompt_set.ids, prompt_set.token_ids):
+        if pid not in known:
+            raise ConfigError(
+                f"prompt {pid!r} is not in the anchor's trajectories ({anchor}): anchor a stage decoded on these prompts"
+            )
+        if known[pid][0] != list(tokens):
+            raise ConfigError(f"prompt {pid!r} reads differently in the anchor's trajectories ({anchor}); re-decode it")
+        out.append(known[pid][1])
+    return out
 
 
 def _decode(job: _Job, ray_config: RayConfig, prompts_per_shard: int, log, progress) -> dict[str, str]:
@@ -132,6 +175,8 @@ def _decode(job: _Job, ray_config: RayConfig, prompts_per_shard: int, log, progr
         "tokenizer_fingerprint": job.tokenizer_fp,
         "trajectory": asdict(job.trajectory),
     }
+    if job.references is not None:  # the fixed points are another store's text (generate_trajectories' anchor)
+        settings["anchored"] = True
     manifest = read_manifest(job.store)
     recorded = manifest.get("settings", {}).get("model_fingerprint")
     if recorded not in (None, model_fp):
@@ -150,6 +195,7 @@ def _decode(job: _Job, ray_config: RayConfig, prompts_per_shard: int, log, progr
             [job.prompt_set.token_ids[i] for i in chosen],
             [job.keys[i] for i in chosen],
             str(job.store),
+            [job.references[i] for i in chosen] if job.references else None,
         )
 
     fill_shards(job.store, specs, workers, submit, settings, log, progress)
@@ -185,10 +231,16 @@ def newest_selection(folder: Path) -> Path:
 
 @task(name=TRAJECTORIES, retries=1, retry_delay_seconds=5)
 def trajectories_task(
-    plan: StagePlan, ray: RayConfig, prompts_per_shard: int, tracking: TrackingConfig, run: bool = True
+    plan: StagePlan,
+    ray: RayConfig,
+    prompts_per_shard: int,
+    tracking: TrackingConfig,
+    run: bool = True,
+    anchor: str | None = None,
 ) -> TrajectoriesResult:
     """The stage in a flow: decode what the store lacks (a retry resumes) and record it in MLflow; or, when
-    skipped (`run` false), hand on the newest earlier selection."""
+    skipped (`run` false), hand on the newest earlier selection. `anchor`: the selection of the stage a curriculum
+    stage is anchored to (CurriculumStage.anchor)."""
     log = get_run_logger().info
     if plan.label:
         log(f"curriculum stage {plan.label}: block size {plan.trajectories.block_size}, from {plan.model.name_or_path}")
@@ -203,6 +255,7 @@ def trajectories_task(
         prompts_per_shard,
         log=log,
         progress=progress_artifact(TRAJECTORIES),
+        anchor=anchor,
     )
     result = TrajectoriesResult(str(selection), ran=True)
     if tracking.uri:
@@ -213,6 +266,7 @@ def trajectories_task(
             "trajectories": asdict(plan.trajectories),
             "ray": asdict(ray),
             "store": chosen.store,
+            "anchor": anchor,
         }
         figures = {
             "prompts": chosen.num_prompts,

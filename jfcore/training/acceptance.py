@@ -30,14 +30,13 @@ forward), so a ZeRO-3 engine, whose forwards gather parameters collectively, mea
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
 
+from jfcore.teacher_forced import block_predictions, next_draft, opening_drafts, prefill, verified
 from jfcore.training.batch import clean_stream, collate
 from jfcore.training.mask import NoisyContext, attention_mask
 
@@ -233,70 +232,33 @@ def simulated_tpf(
 
 def _simulate(model, example: Example, sizes: Sequence[int], pad: int, ranks: Ranks, seed: int) -> dict:
     """One example's blocks at each block size, decoded together on one prefill of its clean text."""
-    device, dtype = _device_dtype(model)
     prompt, response = example.prompt, example.response
-    P, text = len(prompt), prompt + response
-    cache = DynamicCache()
-    logits = model(
-        input_ids=torch.tensor([text], device=device),
-        position_ids=torch.arange(len(text), device=device)[None],
-        past_key_values=cache,
-        use_cache=True,
-    ).logits[0]
-    greedy = logits.argmax(-1).tolist()  # greedy[i]: the model's token after text[: i + 1]
+    text = prompt + response
+    cache, greedy = prefill(model, text)
     results = {}
     for n in sizes:
-        # As the decoder opens blocks: its first token the greedy next one, then filler from one generator per
-        # prompt seeded like the decoder's, drawn in block order. A last block of one token is its known first token.
-        rng, drafts = random.Random(f"{seed}:{prompt}"), {}
-        for start in range(P, len(text), n):
-            m = min(n, len(text) - start)
-            if m > 1:
-                drafts[start] = [greedy[start - 1], *rng.choices(text[:start], k=m - 1)]
-        results[n] = (len(response), _iterate(model, cache, len(text), drafts, dtype, device, pad, ranks))
+        # A last block of one token is its known first token: no forward.
+        drafts = {s: d for s, d in opening_drafts(text, len(prompt), n, greedy, seed).items() if len(d) > 1}
+        results[n] = (len(response), _iterate(model, cache, len(text), drafts, pad, ranks))
     return results
 
 
-def _iterate(model, cache, length: int, drafts: dict[int, list[int]], dtype, device, pad: int, ranks: Ranks) -> int:
+def _iterate(model, cache, length: int, drafts: dict[int, list[int]], pad: int, ranks: Ranks) -> int:
     """Jacobi iterations of every block in `drafts` (block start -> its draft) on the cached clean text of `length`
     tokens, until each is its own fixed point; returns the forwards each block took, summed."""
-    forwards, low = 0, torch.finfo(dtype).min
+    forwards = 0
     while ranks.any(bool(drafts)):
         if not drafts:
-            _idle_forward(model, pad, device)
+            _idle_forward(model, pad, next(model.parameters()).device)
             continue
-        order = sorted(drafts)
-        inputs = [t for s in order for t in drafts[s]]
-        starts = torch.tensor([s for s in order for _ in drafts[s]])
-        q = torch.tensor([s + i for s in order for i in range(len(drafts[s]))])
-        # Each query sees the clean text before its block and its block's earlier positions (and itself).
-        context = torch.arange(length)[None, :] < starts[:, None]
-        own = (starts[:, None] == starts[None, :]) & (q[None, :] <= q[:, None])
-        seen = torch.cat([context, own], dim=1).to(device)
-        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, low)[None, None]
-        out = model(
-            input_ids=torch.tensor([inputs], device=device),
-            position_ids=q[None].to(device),
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[0]
-        cache.crop(-len(inputs))  # back to the clean text (crop takes how many to drop)
-        predictions = out.argmax(-1).tolist()
-        at = 0
-        for s in order:
+        for s, predictions in block_predictions(model, cache, length, drafts).items():
             draft = drafts[s]
-            pred = predictions[at : at + len(draft)]
-            at += len(draft)
             forwards += 1
-            accepted = 1
-            while accepted < len(draft) and draft[accepted] == pred[accepted - 1]:
-                accepted += 1
             # The response's last token needs no forward once it is the correction (the decoder ends there).
-            if accepted >= len(draft) - (s + len(draft) == length):
+            if verified(draft, predictions) >= len(draft) - (s + len(draft) == length):
                 del drafts[s]
-            else:  # the verified prefix, the correction, then fresh predictions: draft[0] and pred[:-1]
-                drafts[s] = [draft[0], *pred[: len(draft) - 1]]
+            else:
+                drafts[s] = next_draft(draft, predictions)
     return forwards
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from jfcore.config import ConfigError
 from jfcore.hostspeed import scaled
 from jfcore.models import ModelConfig, load_model, model_fingerprint
 from jfcore.prompts import PromptSource
@@ -137,6 +138,45 @@ def test_without_ray_two_worker_processes_write_what_ray_writes(tiny_checkpoint,
     assert len(set(pids)) == 2 and os.getpid() not in pids  # each replica in a process of its own
     assert store_of(without).name == store_of(with_ray).name  # the same settings, so the same store key
     assert sorted(map(str, rows_of(without))) == sorted(map(str, rows_of(with_ray)))
+
+
+def test_an_anchored_store_keeps_the_anchors_text_as_its_fixed_points(tiny_checkpoint, prompt_file, tmp_path):
+    """Another model anchored to the first one's trajectories: its rows sit on the first model's text and end at
+    its blocks, in a store of their own; a prompt the anchor lacks is refused by name."""
+    other = save_tiny_checkpoint(tmp_path / "other", seed=1, initializer_range=0.3)
+    none = RayConfig(address="none")
+    anchor = run(tiny_checkpoint, prompt_file, tmp_path / "base", ray=none)
+    free = run(other, prompt_file, tmp_path / "round", ray=none)
+    anchored = generate_trajectories(
+        ModelConfig(name_or_path=str(other)),
+        PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
+        TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
+        none,
+        tmp_path / "round",
+        anchor=anchor,
+    )
+    assert store_of(anchored) != store_of(free)
+    assert json.loads(anchored.read_text())["settings"]["anchored"] is True
+    key = lambda r: (r["prompt_id"], r["block_index"])
+    base, own, rows = (sorted(rows_of(s), key=key) for s in (anchor, free, anchored))
+    assert [(key(r), r["context"], r["fixed_point"]) for r in rows] == [
+        (key(r), r["context"], r["fixed_point"]) for r in base
+    ]
+    assert [r["fixed_point"] for r in own] != [r["fixed_point"] for r in base]  # the other model writes other text
+    assert all(r["first_mismatch"][-1] == len(r["fixed_point"]) for r in rows)
+
+    grown = tmp_path / "grown" / prompt_file.name  # the same ids, and one more prompt
+    grown.parent.mkdir()
+    grown.write_text(prompt_file.read_text() + json.dumps({"prompt": "w9 w8 w7"}) + "\n")
+    with pytest.raises(ConfigError, match=r"prompt 'toy:8' is not in the anchor's trajectories"):
+        generate_trajectories(
+            ModelConfig(name_or_path=str(other)),
+            PromptSource(path=str(grown), field="prompt", chat_template=False),
+            TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
+            none,
+            tmp_path / "round",
+            anchor=anchor,
+        )
 
 
 def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path):

@@ -116,6 +116,11 @@ def test_a_curriculum_chains_its_stages():
         }
     )
     first, second = recipe.stages()
+    anchored = load_recipe(
+        GOOD | {"curriculum": [{"name": "a", "block_size": 8}, {"name": "b", "block_size": 8, "anchor": "a"}]}
+    )
+    assert [plan.anchor for plan in anchored.stages()] == [None, "a"]
+    assert (first.anchor, second.anchor) == (None, None)
     looped = load_recipe(GOOD | {"curriculum": [{"name": "a", "block_size": 8, "cut_loops": True, "loop_period": 48}]})
     assert (looped.stages()[0].packing.cut_loops, looped.stages()[0].packing.loop_period) == (True, 48)
     assert (first.packing.cut_loops, first.packing.loop_period) == (False, 2)  # the recipe's
@@ -158,6 +163,10 @@ def test_a_curriculum_chains_its_stages():
         (
             [{"name": "a", "block_size": 16, "prompts_limit": 5, "prompts": {"limit": 6}}],
             "prompts_limit and prompts.limit both set",
+        ),
+        (
+            [{"name": "a", "block_size": 8, "anchor": "b"}, {"name": "b", "block_size": 8}],
+            "curriculum[a].anchor: 'b' is not an earlier stage (earlier: [])",
         ),
     ],
 )
