@@ -175,6 +175,39 @@ def test_one_stage_at_a_time_resumes_from_what_was_written_even_without_prefect(
     assert timings(work)[before + 1 :] == ["packing/n4", "training/n4", "packing/n8", "training/n8"]
 
 
+def test_an_anchored_stage_iterates_on_an_earlier_stages_text(smoke):
+    """A third stage anchored to the first: the second stage's model iterates on the first stage's text, whose
+    blocks are its fixed points, and trains on it."""
+    work, _ = smoke
+    stages = (
+        "curriculum=[{name: n4, block_size: 4, window: 4, training: {max_steps: 4, export_steps: [2]}},"
+        " {name: n8, block_size: 8, window: 8, prompts_limit: 4, training: {max_steps: 2}},"
+        " {name: anchored, block_size: 8, window: 8, prompts_limit: 4, anchor: n4, training: {max_steps: 1}}]"
+    )
+    run = flow(work, "--set", stages, "--stages", "trajectories", "packing", "training")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "anchored: fixed points from" in run.stdout + run.stderr
+
+    def texts(stage: str) -> dict[str, list[int]]:
+        [store] = (work / stage / "trajectories").iterdir()
+        rows = sorted(
+            (r for shard in store.glob("shard-*.parquet") for r in pq.read_table(shard).to_pylist()),
+            key=lambda r: (r["prompt_id"], r["block_index"]),
+        )
+        out: dict[str, list[int]] = {}
+        for row in rows:
+            out.setdefault(row["prompt_id"], []).extend(row["fixed_point"])
+        return out
+
+    anchored, first, second = texts("anchored"), texts("n4"), texts("n8")
+    assert len(anchored) == 4 and anchored == {pid: first[pid] for pid in anchored}
+    assert anchored != second  # the second stage's model writes text of its own
+    [shard, *_] = sorted((work / "anchored" / "trajectories").glob("*/shard-*.parquet"))
+    prints = {row["model_fingerprint"] for row in pq.read_table(shard, columns=["model_fingerprint"]).to_pylist()}
+    assert prints == {fingerprint((work / "n8" / "training" / "latest" / "final").resolve())}
+    assert (work / "anchored" / "training" / "latest" / "final" / "jacobi_forcing.json").is_file()
+
+
 def test_bad_input_fails_with_what_to_fix(tmp_path, monkeypatch):
     from bench.campaign_report import main as report
     from flows.run import main as run
