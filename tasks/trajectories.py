@@ -107,9 +107,11 @@ def generate_trajectories(
     # How forwards run (compile) changes no token: stores made either way are the same store.
     settings = {k: v for k, v in asdict(trajectory).items() if k != "compile"}
     key = {"model": source_fingerprint(model), "tokenizer": tokenizer_fp, "trajectory": settings}
-    references = _references(Path(anchor), prompt_set, tokenizer_fp) if anchor else None
+    references = None
     if anchor:
-        key["anchor"] = Path(Selection.read(anchor).store).name
+        chosen = Selection.read(anchor)
+        references = _references(chosen, Path(anchor), prompt_set, tokenizer_fp)
+        key["anchor"] = Path(chosen.store).name
         log(f"anchored: fixed points from {anchor}, the model's own iterates on them")
     store = Path(out_dir) / run_key(**key)
     keys = prompt_set.keys()
@@ -142,9 +144,9 @@ class _Job:
     references: list[list[int]] | None = None  # an anchored round's responses, one per prompt of the set
 
 
-def _references(anchor: Path, prompt_set: PromptSet, tokenizer_fp: str) -> list[list[int]]:
-    """The anchor selection's response to each prompt of the set, which must hold every one of them."""
-    chosen = Selection.read(anchor)
+def _references(chosen: Selection, anchor: Path, prompt_set: PromptSet, tokenizer_fp: str) -> list[list[int]]:
+    """The anchor selection's (`chosen`, read from `anchor`) response to each prompt of the set, which must hold
+    every one of them."""
     if chosen.settings.get("tokenizer_fingerprint") not in (None, tokenizer_fp):
         raise ConfigError(
             f"anchor {anchor} was decoded with another tokenizer; anchor a stage of the same model family"

@@ -38,7 +38,7 @@ def prompt_file(tmp_path_factory) -> Path:
     return path
 
 
-def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, ray=TWO_RAY_WORKERS):
+def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, ray=TWO_RAY_WORKERS, anchor=None):
     return generate_trajectories(
         ModelConfig(name_or_path=str(tiny_checkpoint)),
         PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
@@ -47,6 +47,7 @@ def run(tiny_checkpoint, prompt_file, out_dir, log=print, prompts_per_shard=2, r
         out_dir,
         prompts_per_shard=prompts_per_shard,
         log=log,
+        anchor=anchor,
     )
 
 
@@ -147,14 +148,7 @@ def test_an_anchored_store_keeps_the_anchors_text_as_its_fixed_points(tiny_check
     none = RayConfig(address="none")
     anchor = run(tiny_checkpoint, prompt_file, tmp_path / "base", ray=none)
     free = run(other, prompt_file, tmp_path / "round", ray=none)
-    anchored = generate_trajectories(
-        ModelConfig(name_or_path=str(other)),
-        PromptSource(path=str(prompt_file), field="prompt", chat_template=False),
-        TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
-        none,
-        tmp_path / "round",
-        anchor=anchor,
-    )
+    anchored = run(other, prompt_file, tmp_path / "round", ray=none, anchor=anchor)
     assert store_of(anchored) != store_of(free)
     assert json.loads(anchored.read_text())["settings"]["anchored"] is True
     key = lambda r: (r["prompt_id"], r["block_index"])
@@ -169,14 +163,7 @@ def test_an_anchored_store_keeps_the_anchors_text_as_its_fixed_points(tiny_check
     grown.parent.mkdir()
     grown.write_text(prompt_file.read_text() + json.dumps({"prompt": "w9 w8 w7"}) + "\n")
     with pytest.raises(ConfigError, match=r"prompt 'toy:8' is not in the anchor's trajectories"):
-        generate_trajectories(
-            ModelConfig(name_or_path=str(other)),
-            PromptSource(path=str(grown), field="prompt", chat_template=False),
-            TrajectoryConfig(block_size=4, max_new_tokens=12, batch_size=2),
-            none,
-            tmp_path / "round",
-            anchor=anchor,
-        )
+        run(other, grown, tmp_path / "round", ray=none, anchor=anchor)
 
 
 def test_both_stages_run_as_prefect_tasks(tiny_checkpoint, prompt_file, tmp_path):
