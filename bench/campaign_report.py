@@ -37,6 +37,7 @@ from jfcore.contracts import (
     FP32_CHECK,
     LATEST,
     METRICS,
+    PACKING,
     SUMMARY,
     TIMINGS,
     TRAINING,
@@ -127,12 +128,17 @@ def _current_outputs(recipe: Recipe) -> dict[str, Path]:
 def phase_figures(recipe: Recipe) -> dict:
     """Seconds per stage the flow ran and trajectory throughput in generated tokens/s. A stage's seconds are
     summed over the runs that wrote the output this report reads (a resumed run's pieces); a rerun with other
-    settings under the same stage name is left out. Records written before they named their output are summed."""
+    settings under the same stage name is left out, and so are the stages of other recipes that share the
+    work_dir. Records written before they named their output are summed."""
     path = recipe.path(TIMINGS)
     records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
     outputs = _current_outputs(recipe)
+    names = {plan.name for plan in recipe.stages()}
     figures: dict = {}
     for r in records:
+        stage, _, name = r["stage"].partition("/")
+        if recipe.curriculum and stage in (TRAJECTORIES, PACKING, TRAINING) and name not in names:
+            continue
         current = outputs.get(r["stage"])
         if current is not None and r.get("output") is not None and Path(r["output"]) != current:
             continue
