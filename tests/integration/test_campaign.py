@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -276,3 +277,26 @@ def test_the_on_policy_recipe_reuses_the_2_hour_run_then_learns_from_its_model_t
         assert stage.prompts == first.prompts and stage.training.max_steps == 400
     assert Path(code.prompts.path).name == "mbpp_train.jsonl" and code.prompts.limit == first.prompts.limit
     assert code.training.max_steps == 150
+
+
+def test_the_fresh_prompt_recipe_trains_each_on_policy_round_on_prompts_no_round_trained_on():
+    """configs/campaign/cpu-2h-fresh.yaml reuses cpu-2h.yaml's run, then each round decodes its trajectories with the
+    round before's model on another draw of the same pool: the rounds' prompt sets, read from the pool itself,
+    share at most a sixteenth of their prompts with any earlier round's."""
+    from jfcore.prompts import load_prompt_texts
+
+    two_hours = load_recipe(REPO / "configs" / "campaign" / "cpu-2h.yaml").stages()[0]
+    first, *rounds = load_recipe(REPO / "configs" / "campaign" / "cpu-2h-fresh.yaml").stages()
+    for part in ("folder", "model", "prompts", "trajectories", "packing", "training"):
+        assert getattr(first, part) == getattr(two_hours, part), part
+    assert len(rounds) == 2
+    seen: set[str] = set()
+    for before, stage in zip([first, *rounds], rounds):
+        assert stage.model.name_or_path == str(before.path("training") / "latest" / "final")
+        assert stage.trajectories == first.trajectories and stage.training.max_steps == 400
+        assert stage.packing.cut_loops and stage.packing.window == first.packing.window
+        assert stage.training.ar_weight == first.training.ar_weight
+        assert stage.prompts.path == first.prompts.path and stage.prompts.limit == first.prompts.limit
+        seen |= {key for key, _ in load_prompt_texts(replace(before.prompts, path=str(REPO / before.prompts.path)))}
+        drawn = {key for key, _ in load_prompt_texts(replace(stage.prompts, path=str(REPO / stage.prompts.path)))}
+        assert len(drawn) == stage.prompts.limit and len(drawn & seen) <= stage.prompts.limit // 16, stage.name
