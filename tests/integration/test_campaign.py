@@ -290,13 +290,17 @@ def test_the_fresh_prompt_recipe_trains_each_on_policy_round_on_prompts_no_round
     for part in ("folder", "model", "prompts", "trajectories", "packing", "training"):
         assert getattr(first, part) == getattr(two_hours, part), part
     assert len(rounds) == 2
-    seen: set[str] = set()
+
+    def drawn(stage) -> set[str]:
+        return {key for key, _ in load_prompt_texts(replace(stage.prompts, path=str(REPO / stage.prompts.path)))}
+
+    seen = drawn(first)
     for before, stage in zip([first, *rounds], rounds):
         assert stage.model.name_or_path == str(before.path("training") / "latest" / "final")
         assert stage.trajectories == first.trajectories and stage.training.max_steps == 400
         assert stage.packing.cut_loops and stage.packing.window == first.packing.window
         assert stage.training.ar_weight == first.training.ar_weight
         assert stage.prompts.path == first.prompts.path and stage.prompts.limit == first.prompts.limit
-        seen |= {key for key, _ in load_prompt_texts(replace(before.prompts, path=str(REPO / before.prompts.path)))}
-        drawn = {key for key, _ in load_prompt_texts(replace(stage.prompts, path=str(REPO / stage.prompts.path)))}
-        assert len(drawn) == stage.prompts.limit and len(drawn & seen) <= stage.prompts.limit // 16, stage.name
+        prompts = drawn(stage)
+        assert len(prompts) == stage.prompts.limit and len(prompts & seen) <= stage.prompts.limit // 16, stage.name
+        seen |= prompts
