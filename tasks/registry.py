@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from jfcore.atomic import atomic_write
 from jfcore.config import check
 from jfcore.contracts import ALL, GATE_DECISION_TAG, GATE_FIGURES_TAG, GATE_REASON_TAG, REGISTRY
+from jfcore.evaluation.report import round_ratios
 from tasks import GATE_ARTIFACT
 from tasks.orchestration import get_run_logger, markdown_artifact, task
 from tasks.tracking import TrackingConfig, client
@@ -92,11 +93,6 @@ def pooled(table: list[dict], model: str, method: str) -> dict:
 
 def _solved(row: dict) -> int:
     return round(row["accuracy"] * row["samples"])
-
-
-def round_ratios(new: dict, bar: dict) -> list[float]:
-    """The trained model's speed over the bar's in each timing round (both timed side by side in it)."""
-    return [a / b for a, b in zip(new.get("round_tps") or (), bar.get("round_tps") or ()) if b > 0]
 
 
 def decide(table: list[dict], gate: GateConfig, champion: str | None, float32: bool) -> tuple[bool, str]:

@@ -80,6 +80,29 @@ def round_tps(rows: Sequence[dict], tokens: int) -> list[float]:
     return [tokens / sum(r["round_seconds"][k] for r in rows) for k in range(rounds)]
 
 
+def round_ratios(new: dict, bar: dict) -> list[float]:
+    """`new`'s tps over `bar`'s in each timing round: both decoded side by side in it, so the host's drift cancels."""
+    return [a / b for a, b in zip(new.get("round_tps") or (), bar.get("round_tps") or ()) if b > 0]
+
+
+def timed_ratio_lines(table: Sequence[dict], baseline: str) -> list[str]:
+    """One line per (benchmark, model, method) timed in several rounds: its speed over the baseline model's, same
+    method, in each round. The table's speed columns read the first round only."""
+    bars = {(r["benchmark"], r["method"]): r for r in table if r["model"] == baseline and r["round_tps"]}
+    lines = []
+    for r in table:
+        bar = bars.get((r["benchmark"], r["method"]))
+        if r["model"] == baseline or bar is None or not (ratios := round_ratios(r, bar)):
+            continue
+        median = sorted(ratios)[len(ratios) // 2]
+        lines.append(
+            f"- {r['benchmark']}, {r['method']}: {r['model']} over {baseline} in each of {len(ratios)} interleaved rounds "
+            + ", ".join(f"{x:.3f}" for x in ratios)
+            + f" (median {median:.3f}x)"
+        )
+    return lines
+
+
 def all_exact(samples: Iterable[dict]) -> tuple[int, int]:
     """(samples equal to their model's HF greedy output, samples) over the non-reference methods."""
     checked = [row["exact"] for row in samples if row["method"] != REFERENCE]
@@ -115,6 +138,8 @@ def markdown_table(table: Sequence[dict], samples: Sequence[dict], baseline: str
             f"vs {baseline} HF greedy: over transformers' greedy generate (kernels and method together)."
         ),
     ]
+    if ratios := timed_ratio_lines(table, baseline):
+        lines += ["", "Same method, timed side by side in several rounds:", *ratios]
     return "\n".join(lines)
 
 

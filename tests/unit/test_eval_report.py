@@ -155,3 +155,20 @@ BASE = {"output_dir": "out", "models": {"base": {"model": {"name_or_path": "m"}}
 def test_bad_recipes_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         from_dict(EvalConfig, BASE | change, "evaluation")
+
+
+def test_markdown_gives_each_timed_methods_ratio_to_the_baseline_model_round_by_round():
+    # Both models decode 40 tokens per problem; per round, base takes 4 + 4 s and trained 2 + 3, 4 + 1, 1 + 1 s.
+    base = [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
+    trained = [[2.0, 4.0, 1.0], [3.0, 1.0, 1.0]]
+    samples = [
+        dict(sample("gsm8k", model, "tuned", 40, 20, 0.0, rounds[0], True), round_seconds=rounds)
+        for model, seconds in (("base", base), ("trained", trained))
+        for rounds in seconds
+    ]
+    samples += [sample("gsm8k", model, "hf_greedy", 40, 39, 0.0, 10.0, True) for model in ("base", "trained")]
+    text = markdown_table(summarize(samples, "base"), samples, "base")
+    assert (
+        "- gsm8k, tuned: trained over base in each of 3 interleaved rounds 1.600, 1.600, 4.000 (median 1.600x)" in text
+    )
+    assert "hf_greedy: trained" not in text  # one round: no ratio line
