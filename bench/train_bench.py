@@ -6,9 +6,13 @@ setting in turn, `--steps` optimizer steps each, from a fresh output folder. The
 setting is the median of its per-step tokens/s after the first step (the first carries
 DeepSpeed's and the allocator's warm-up); "tokens" are the real tokens of the packed sequences
 (prompt + noisy + clean). Ratios are against the first setting. `--rounds 2` runs the
-list twice in alternating order, since this host's speed drifts. See docs/BENCHMARKS.md.
+list twice in alternating order, since this host's speed drifts. `--recipe` trains under a
+recipe's `training` section (its losses, precision and batch) instead of the defaults, e.g. on
+that recipe's own packed data. See docs/BENCHMARKS.md.
 
     python -m bench.train_bench --steps 8
+    python -m bench.train_bench --recipe configs/campaign/cpu-2h.yaml --data runs/ablation/packing/<key> \
+        --settings 1proc_zero0_bf16 --steps 12
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, environment
+from jfcore.config import from_dict, load_file, to_dict
 from jfcore.models import ModelConfig, load_tokenizer
 from jfcore.packing import PackingConfig
 from jfcore.prompts import PromptSource
-from jfcore.training.config import AcceptanceConfig, TrainConfig
+from jfcore.training.config import TrainConfig
 from jfcore.trajectories import TrajectoryConfig
 from tasks.packing import pack_trajectories
 from tasks.training import LaunchConfig, run_training
@@ -57,19 +62,14 @@ def make_data(root: Path, model: ModelConfig, limit: int) -> Path:
     return root / "packed"
 
 
-def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path) -> dict:
+def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path, recipe: dict | None = None) -> dict:
+    """`recipe`: TrainConfig values (a recipe's `training` section) under this run's own data, folder and length."""
     processes, threads, deepspeed, checkpointing, precision = SETTINGS[name]
-    train = TrainConfig(
-        data=str(data),
-        output_dir=str(root / f"{name}-{time.time_ns()}"),
-        model=model,
-        max_steps=steps,
-        learning_rate=1e-5,
-        checkpoint_every=10**6,
-        gradient_checkpointing=checkpointing,
-        precision=precision,
-        acceptance=AcceptanceConfig(every=0),  # throughput alone
-    )
+    values = {"learning_rate": 1e-5, **(recipe or {}), "precision": precision}
+    values |= {"gradient_checkpointing": checkpointing, "max_steps": steps, "checkpoint_every": 10**6}
+    values |= {"acceptance": {"every": 0}}  # throughput alone
+    values |= {"data": str(data), "output_dir": str(root / f"{name}-{time.time_ns()}"), "model": to_dict(model)}
+    train = from_dict(TrainConfig, values)
     began = time.perf_counter()
     run_training(
         train,
@@ -101,6 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
     p.add_argument("--rounds", type=int, default=1, help="repeat the list, reversed every other round")
+    p.add_argument("--recipe", type=Path, help="train under this recipe's `training` section (default: the defaults)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/train_<model>_cpu.json)")
     args = p.parse_args(argv)
     names = args.settings.split(",")
@@ -108,13 +109,14 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown setting(s) {unknown}; choose from {', '.join(SETTINGS)}")
     model = ModelConfig(name_or_path=args.model)
+    recipe = load_file(args.recipe).get("training", {}) if args.recipe else None
     with tempfile.TemporaryDirectory(prefix="jf-train-bench-") as tmp:
         root = Path(tmp)
         data = args.data or make_data(root, model, args.prompts)
         results: dict[str, list[dict]] = {n: [] for n in names}
         for round_index in range(args.rounds):
             for name in names if round_index % 2 == 0 else names[::-1]:
-                results[name].append(measure(name, data, model, args.steps, root))
+                results[name].append(measure(name, data, model, args.steps, root, recipe))
                 print(f"  {name}: {results[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
     base = statistics.median(r["tokens_per_second"] for r in results[names[0]])
     print(f"\n{'setting':<18}{'procs':>6}{'tokens/s':>10}{'vs ' + names[0]:>20}{'first loss':>12}")
@@ -128,7 +130,11 @@ def main(argv=None) -> None:
     tag = Path(args.model).name.replace(".", "_")
     out = args.out or RESULTS / f"train_{tag}_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": environment(model), "steps": args.steps, "results": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"environment": environment(model), "steps": args.steps, "recipe": recipe, "results": rows}, indent=1
+        )
+    )
     print(f"results: {out}")
 
 

@@ -30,7 +30,7 @@ Which logits count (a logit at a position predicts the next token of its stream)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -232,3 +232,28 @@ def collate(
         clean_index=clean_index,
         tokens=int((streams != PAD).sum()),
     )
+
+
+def scored_columns(batch: PackedBatch) -> tuple[torch.Tensor, PackedBatch]:
+    """The sequence columns whose logits some loss reads, in any row, and `batch` with its flat logit indices aimed at
+    logits computed there only ([B, K] instead of [B, L]; transformers' `logits_to_keep`). Most noisy positions are
+    never scored (pairs start at a block's first wrong token), and the vocabulary-wide work of the LM head, its
+    gradient and the logits' gradient shrinks with them."""
+    B, L = batch.input_ids.shape
+    flat = torch.cat([batch.ar_positions, batch.student_positions, batch.teacher_positions])
+    device = flat.device
+    columns = torch.unique(flat % L) if flat.numel() else torch.tensor([L - 1], device=device)  # keeps the graph whole
+    where = torch.full((L,), -1, dtype=torch.long, device=device)
+    where[columns] = torch.arange(len(columns), device=device)
+
+    def aimed(positions: torch.Tensor) -> torch.Tensor:
+        return positions // L * len(columns) + where[positions % L]
+
+    scored = replace(
+        batch,
+        ar_positions=aimed(batch.ar_positions),
+        student_positions=aimed(batch.student_positions),
+        teacher_positions=aimed(batch.teacher_positions),
+        clean_index=batch.clean_index.view(B, L)[:, columns].reshape(-1),
+    )
+    return columns, scored

@@ -9,6 +9,7 @@ Run it under a launcher (torchrun or deepspeed) that sets RANK, WORLD_SIZE and L
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -27,7 +28,7 @@ from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
 from jfcore.evaluation.repetition import repeated_share
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training import acceptance, checkpoints
-from jfcore.training.batch import collate_for
+from jfcore.training.batch import collate_for, scored_columns
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder, PackedData, TrainingDataError
 from jfcore.training.lora import with_lora
@@ -96,6 +97,7 @@ class Trainer:
     deepspeed_config: dict
     heldout: list[dict]  # the held-out packed rows acceptance is measured on (empty: not measured)
     teacher: torch.nn.Module | None = None  # the frozen copy of the starting model (TrainConfig.teacher "frozen")
+    keeps_logits: bool = False  # the model's forward takes `logits_to_keep`: logits only where a loss reads them
 
     @property
     def schedule(self) -> dict:
@@ -131,6 +133,7 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
     torch.manual_seed(config.seed)
 
     model, tokenizer = load_model(replace_checked(config.model, device=str(device), attn_implementation=attn))
+    keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
     if config.lora is not None:
         model = with_lora(model, config.lora)
     data = PackedData(config.data, tokenizer_fingerprint(tokenizer))
@@ -151,13 +154,14 @@ def setup(config: TrainConfig, deepspeed_base: dict) -> Trainer:
         lr=config.learning_rate,
         betas=config.betas,
         weight_decay=config.weight_decay,
+        fused=True,  # one kernel over all parameters; without it CPU steps loop over them one tensor at a time
     )
     scheduler = lr_scheduler(optimizer, config, total)
     ds_config = deepspeed_config(deepspeed_base, config, world, bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     teacher = frozen_teacher(config, device, bf16) if config.teacher == "frozen" else None
     parts = (engine, scheduler, tokenizer, data, order, device, rank, world, attn, bf16, total, ds_config, heldout)
-    return Trainer(config, *parts, teacher=teacher)
+    return Trainer(config, *parts, teacher=teacher, keeps_logits=keeps_logits)
 
 
 def frozen_teacher(config: TrainConfig, device: torch.device, bf16: bool) -> torch.nn.Module:
@@ -200,14 +204,19 @@ def train_step(t: Trainer, step: int) -> dict:
         batch = collate_for(config, rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id).to(device)
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         mask = attention_mask(batch.streams, t.attn, dtype, batch.blocks, config.noisy_context)
+        kept, scored = scored_columns(batch) if t.keeps_logits else (None, batch)
         logits = engine(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=mask,
+            use_cache=False,
+            **({"logits_to_keep": kept} if kept is not None else {}),
         ).logits
         frozen = _frozen_logits(t.teacher, batch) if t.teacher is not None else None
         margin = config.ar_margin if config.ar_loss == "margin" else None
         losses = jacobi_forcing_loss(
             logits,
-            batch,
+            scored,
             config.ar_weight,
             config.temperature,
             config.consistency_target,
@@ -443,10 +452,11 @@ class _Progress:
 
 
 def _plain_grad_norm(engine) -> float | None:
-    """The gradient norm DeepSpeed computes but does not keep without ZeRO (stage 0, float32).
+    """The gradient norm DeepSpeed computes but does not keep without ZeRO (stage 0, float32): None where it keeps
+    one (ZeRO, and the mixed-precision wrappers, which report `_global_grad_norm`).
 
     Called after the boundary backward, where stage 0 has already all-reduced the gradients."""
-    if engine.zero_optimization_stage() != 0:
+    if engine.zero_optimization_stage() != 0 or hasattr(engine.optimizer, "_global_grad_norm"):
         return None
     norms = [p.grad.float().norm() for p in engine.module.parameters() if p.grad is not None]
     return torch.stack(norms).norm().item() if norms else None

@@ -52,48 +52,70 @@ class Losses:
     repeat: torch.Tensor
 
 
-def ar_loss(
-    logits: torch.Tensor, batch: PackedBatch, frozen: torch.Tensor | None = None, margin: float | None = None
-) -> torch.Tensor:
+@dataclass
+class _Scored:
+    """The clean-stream logits that L_AR and both penalties read, in float32, with their log-partition: gathered and
+    computed once per batch, since these vocabulary-wide passes are a large share of a small model's step."""
+
+    z: torch.Tensor  # [A, V]
+    lse: torch.Tensor  # [A]
+    flat: torch.Tensor  # all the logits, [B * L, V]
+
+    def nothing(self) -> torch.Tensor:
+        """A zero that depends on the logits: an empty term keeps the graph (and DeepSpeed's hooks) intact."""
+        return self.flat.sum() * 0.0
+
+
+def _scored(logits: torch.Tensor, batch: PackedBatch) -> _Scored:
     flat = logits.reshape(-1, logits.shape[-1])
-    if batch.ar_positions.numel() == 0:
-        return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
-    student = flat[batch.ar_positions].float()
+    z = flat[batch.ar_positions.to(flat.device)].float()
+    return _Scored(z, torch.logsumexp(z, dim=-1), flat)
+
+
+def _ar(s: _Scored, batch: PackedBatch, frozen: torch.Tensor | None, margin: float | None) -> torch.Tensor:
+    if s.z.shape[0] == 0:
+        return s.nothing()
+    target = batch.ar_targets.to(s.z.device)[:, None]
+    chosen = s.z.gather(1, target)[:, 0]
     if margin is not None:
-        target = batch.ar_targets.to(student.device)[:, None]
-        chosen = student.gather(1, target)[:, 0]
-        best_other = student.scatter(1, target, float("-inf")).max(-1).values
+        best_other = s.z.scatter(1, target, float("-inf")).max(-1).values
         return F.relu(margin - (chosen - best_other)).mean()
     if frozen is None:
-        return F.cross_entropy(student, batch.ar_targets)
+        return (s.lse - chosen).mean()  # cross-entropy
     teacher = F.log_softmax(frozen[batch.clean_index[batch.ar_positions]].detach().float(), dim=-1)
-    return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
+    return F.kl_div(s.z - s.lse[:, None], teacher, log_target=True, reduction="batchmean")
 
 
-def _unlikelihood(logits: torch.Tensor, batch: PackedBatch, candidates: torch.Tensor) -> torch.Tensor:
+def _unlikelihood(s: _Scored, candidates: torch.Tensor) -> torch.Tensor:
     """Mean -log(1 - p(C)) over the scored clean positions, C the row of `candidates` ([A, K], IGNORE-padded after
     the real ones) at each; positions with no candidate are left out (0 where none has one)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    candidates = candidates.to(flat.device)
+    candidates = candidates.to(s.z.device)
     has = candidates[:, 0] != IGNORE
     if not bool(has.any()):
-        return flat.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
-    z = flat[batch.ar_positions.to(flat.device)[has]].float()
-    chosen = candidates[has]
+        return s.nothing()
+    z, lse, chosen = (s.z, s.lse, candidates) if bool(has.all()) else (s.z[has], s.lse[has], candidates[has])
     chosen = torch.where(chosen == IGNORE, chosen[:, :1], chosen)  # padding repeats the first: the same set
     # log(1 - p(C)) = logsumexp over the tokens outside C - logsumexp over all: exact where p(C) is near 1.
     rest = torch.logsumexp(z.scatter(1, chosen, float("-inf")), dim=-1)
-    return (torch.logsumexp(z, dim=-1) - rest).mean()
+    return (lse - rest).mean()
+
+
+def ar_loss(
+    logits: torch.Tensor, batch: PackedBatch, frozen: torch.Tensor | None = None, margin: float | None = None
+) -> torch.Tensor:
+    if frozen is not None:
+        frozen = frozen.reshape(-1, frozen.shape[-1])
+    return _ar(_scored(logits, batch), batch, frozen, margin)
 
 
 def copy_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """Mean -log(1 - p(wrong copy)) over the scored clean positions that have one (0 where none has)."""
-    return _unlikelihood(logits, batch, batch.ar_wrong_copies[:, None])
+    return _unlikelihood(_scored(logits, batch), batch.ar_wrong_copies[:, None])
 
 
 def repeat_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """Mean -log(1 - p(recent tokens other than the target)) over the scored clean positions."""
-    return _unlikelihood(logits, batch, batch.ar_recent)
+    return _unlikelihood(_scored(logits, batch), batch.ar_recent)
 
 
 def consistency_loss(
@@ -133,9 +155,10 @@ def jacobi_forcing_loss(
     `repeat_weight`: beta_r of L_repeat. Both penalties are measured whatever their weights, for the logs."""
     if frozen is not None:
         frozen = frozen.reshape(-1, frozen.shape[-1])
-    ar = ar_loss(logits, batch, frozen, margin)
+    scored = _scored(logits, batch)
+    ar = _ar(scored, batch, frozen, margin)
     pc = consistency_loss(logits, batch, temperature, target, frozen)
-    copy, repeat = copy_loss(logits, batch), repeat_loss(logits, batch)
+    copy, repeat = _unlikelihood(scored, batch.ar_wrong_copies[:, None]), _unlikelihood(scored, batch.ar_recent)
     total = pc + ar_weight * ar + (copy_weight * copy if copy_weight else 0.0)
     total = total + (repeat_weight * repeat if repeat_weight else 0.0)
     return Losses(total=total, ar=ar.detach(), consistency=pc.detach(), copy=copy.detach(), repeat=repeat.detach())

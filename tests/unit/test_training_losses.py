@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from jfcore.training import collate, consistency_loss, jacobi_forcing_loss
-from jfcore.training.batch import IGNORE, collate_for
+from jfcore.training.batch import IGNORE, collate_for, scored_columns
 from jfcore.training.config import TrainConfig
 from tests.support.training_data import packed_row
 
@@ -314,3 +314,52 @@ def test_the_repeat_penalty_leaves_alone_the_loops_the_text_itself_makes():
 def test_the_repeat_penalty_weight_is_checked_at_load():
     with pytest.raises(ValueError, match="repeat_unlikelihood: must be >= 0"):
         TrainConfig(data="d", output_dir="o", repeat_unlikelihood=-0.5)
+
+
+def scoring_rows():
+    # Row 0: block 0 wrong from offset 1, block 1 from offset 2; row 1 shorter, wrong from offset 0. With two offsets
+    # kept, each block's noisy slots past them are scored by no loss, nor is row padding.
+    r0 = packed_row([1, 10], [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])], mismatch=[1, 2], n=4)
+    r1 = packed_row([1], [([9, 9, 9, 9], [6, 5, 6, 5])], mismatch=[0], n=4)
+    return collate([r0, r1], PADID, EOS, max_offset=2)
+
+
+@pytest.mark.parametrize("teacher", ["own", "frozen"])
+def test_logits_at_the_scored_columns_only_give_the_same_losses_and_gradients(teacher):
+    batch = scoring_rows()
+    kept, scored = scored_columns(batch)
+    L = batch.input_ids.shape[1]
+    # Row 0: prompt 0..1, k_0 2..5, l_0 6..9, k_1 10..13, l_1 14..17; its k_1 is right up to offset 2, and row 1 is
+    # padding there: no loss reads columns 10 and 11.
+    assert kept.tolist() == [c for c in range(L) if c not in (10, 11)]
+    logits = leaf_logits(batch, seed=5)
+    frozen = torch.randn(*batch.clean_ids.shape, V) if teacher == "frozen" else None
+    settings = {"ar_weight": 0.3, "temperature": 2.0, "frozen": frozen, "copy_weight": 0.5, "repeat_weight": 2.0}
+    full = jacobi_forcing_loss(logits, batch, **settings)
+    full.total.backward()
+    narrow_logits = logits.detach()[:, kept].clone().requires_grad_(True)
+    narrow = jacobi_forcing_loss(narrow_logits, scored, **settings)
+    narrow.total.backward()
+    for name in ("total", "ar", "consistency", "copy", "repeat"):
+        torch.testing.assert_close(getattr(narrow, name), getattr(full, name), msg=name)
+    torch.testing.assert_close(narrow_logits.grad, logits.grad[:, kept])
+    assert not logits.grad[:, [c for c in range(L) if c not in kept.tolist()]].any()  # nothing was left out
+
+
+def test_a_models_logits_to_keep_at_the_scored_columns_gives_the_full_forwards_gradients():
+    from jfcore.training.mask import attention_mask
+    from tests.support.tiny_models import tiny_model
+
+    batch = scoring_rows()
+    kept, scored = scored_columns(batch)
+    mask = attention_mask(batch.streams, "sdpa", torch.float32, batch.blocks)
+    grads = []
+    for columns, target in ((None, batch), (kept, scored)):
+        model = tiny_model("llama").train()
+        extra = {} if columns is None else {"logits_to_keep": columns}
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, **extra)
+        assert out.logits.shape[1] == (batch.input_ids.shape[1] if columns is None else len(kept))
+        jacobi_forcing_loss(out.logits, target, 0.3, 1.0, repeat_weight=2.0).total.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for full, narrow in zip(*grads):
+        torch.testing.assert_close(narrow, full, rtol=1e-4, atol=1e-6)
