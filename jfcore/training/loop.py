@@ -28,7 +28,7 @@ from jfcore.contracts import ACCEPTANCE, HELDOUT, METRICS
 from jfcore.evaluation.repetition import repeated_share
 from jfcore.models import load_model, tokenizer_fingerprint
 from jfcore.training import acceptance, checkpoints
-from jfcore.training.batch import collate_for, scored_columns
+from jfcore.training.batch import PackedBatch, collate_for, scored_columns
 from jfcore.training.config import TrainConfig
 from jfcore.training.data import DataOrder, PackedData, TrainingDataError
 from jfcore.training.lora import with_lora
@@ -204,14 +204,7 @@ def train_step(t: Trainer, step: int) -> dict:
         batch = collate_for(config, rows, t.tokenizer.pad_token_id, t.tokenizer.eos_token_id).to(device)
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         mask = attention_mask(batch.streams, t.attn, dtype, batch.blocks, config.noisy_context)
-        kept, scored = scored_columns(batch) if t.keeps_logits else (None, batch)
-        logits = engine(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=mask,
-            use_cache=False,
-            **({"logits_to_keep": kept} if kept is not None else {}),
-        ).logits
+        logits, scored = forward_scored(engine, batch, mask, t.keeps_logits)
         frozen = _frozen_logits(t.teacher, batch) if t.teacher is not None else None
         margin = config.ar_margin if config.ar_loss == "margin" else None
         losses = jacobi_forcing_loss(
@@ -250,6 +243,28 @@ def train_step(t: Trainer, step: int) -> dict:
         "tokens_per_second": sums[5].item() / (time.perf_counter() - began),
         "tokens": int(sums[5].item()),
     }
+
+
+def forward_scored(
+    model, batch: PackedBatch, mask: torch.Tensor, keeps_logits: bool
+) -> tuple[torch.Tensor, PackedBatch]:
+    """The training forward's logits and the batch whose indices point into them: at the scored columns only where
+    the model's forward takes `logits_to_keep` (`scored_columns`), else at every position."""
+    kept, scored = scored_columns(batch) if keeps_logits else (None, batch)
+    logits = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=mask,
+        use_cache=False,
+        **({"logits_to_keep": kept} if kept is not None else {}),
+    ).logits
+    if kept is not None and logits.shape[1] != len(kept):  # read as positions, the losses would score wrong logits
+        raise RuntimeError(
+            f"{type(getattr(model, 'module', model)).__name__}'s forward takes logits_to_keep but returned logits "
+            f"at {logits.shape[1]} positions for the {len(kept)} asked for; its architecture's code must keep a tensor "
+            "of positions as transformers' own models do (transformers.modeling_utils.slice_logits_to_keep)"
+        )
+    return logits, scored
 
 
 @torch.no_grad()

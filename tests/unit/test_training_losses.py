@@ -363,3 +363,26 @@ def test_a_models_logits_to_keep_at_the_scored_columns_gives_the_full_forwards_g
         grads.append([p.grad.clone() for p in model.parameters()])
     for full, narrow in zip(*grads):
         torch.testing.assert_close(narrow, full, rtol=1e-4, atol=1e-6)
+
+
+def test_a_forward_that_takes_logits_to_keep_but_ignores_the_positions_is_refused():
+    from jfcore.training.loop import forward_scored
+    from jfcore.training.mask import attention_mask
+    from tests.support.tiny_models import tiny_model
+
+    class IgnoresPositions(torch.nn.Module):  # takes the argument, returns every position's logits
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_model("llama")
+
+        def forward(self, input_ids, position_ids, attention_mask, use_cache, logits_to_keep=0):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
+
+    batch = scoring_rows()
+    kept, _ = scored_columns(batch)
+    mask = attention_mask(batch.streams, "sdpa", torch.float32, batch.blocks)
+    logits, scored = forward_scored(tiny_model("llama"), batch, mask, keeps_logits=True)
+    assert logits.shape[1] == len(kept) and torch.equal(scored.ar_positions, scored_columns(batch)[1].ar_positions)
+    assert forward_scored(tiny_model("llama"), batch, mask, keeps_logits=False)[0].shape[1] == batch.input_ids.shape[1]
+    with pytest.raises(RuntimeError, match="returned logits at 18 positions for the 16 asked for"):
+        forward_scored(IgnoresPositions(), batch, mask, keeps_logits=True)
