@@ -65,11 +65,21 @@ def make_data(root: Path, model: ModelConfig, limit: int) -> Path:
 def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path, recipe: dict | None = None) -> dict:
     """`recipe`: TrainConfig values (a recipe's `training` section) under this run's own data, folder and length."""
     processes, threads, deepspeed, checkpointing, precision = SETTINGS[name]
-    values = {"learning_rate": 1e-5, **(recipe or {}), "precision": precision}
-    values |= {"gradient_checkpointing": checkpointing, "max_steps": steps, "checkpoint_every": 10**6}
-    values |= {"acceptance": {"every": 0}}  # throughput alone
-    values |= {"data": str(data), "output_dir": str(root / f"{name}-{time.time_ns()}"), "model": to_dict(model)}
-    train = from_dict(TrainConfig, values)
+    train = from_dict(
+        TrainConfig,
+        {
+            "learning_rate": 1e-5,
+            **(recipe or {}),
+            "precision": precision,
+            "gradient_checkpointing": checkpointing,
+            "max_steps": steps,
+            "checkpoint_every": 10**6,
+            "acceptance": {"every": 0},  # throughput alone
+            "data": str(data),
+            "output_dir": str(root / f"{name}-{time.time_ns()}"),
+            "model": to_dict(model),
+        },
+    )
     began = time.perf_counter()
     run_training(
         train,
