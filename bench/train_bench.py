@@ -100,6 +100,7 @@ def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path, r
         "step_rates": rates,
         "wall_s": wall,
         "first_loss": records[0]["loss"],
+        "losses": [r["loss"] for r in records],
     }
 
 

@@ -1,12 +1,16 @@
 """Training losses (docs/DESIGN.md, section 6): L = L_pc + lambda * L_AR.
 
 Reductions, made explicit because they change the effective weights:
-- L_AR: mean cross-entropy over every scored clean-stream target in the batch.
+- L_AR: per row, the mean cross-entropy over its scored clean-stream targets; then the mean over the B rows
+  (a row with none adds 0). The penalties below reduce the same way.
 - L_pc: per row, the mean over its kept (student, teacher) pairs of the soft
   cross-entropy tau^2 * H(softmax(teacher / tau), softmax(student / tau)),
   divided once more by the row's number of blocks T; then the mean over rows.
   A row with no kept pair (every noisy block equal to its clean block) adds 0.
   `collate` folds all of this into per-pair weights.
+Every term is thus a mean of per-row means, which is what gradient accumulation over one-row micro batches gives:
+a step's loss and gradient do not depend on how its rows are split into micro batches (micro_batch_size 4 with no
+accumulation trains as micro_batch_size 1 with 4 accumulation steps does, in fewer and wider forwards).
 The teacher is the same forward's clean stream, detached: no gradient reaches it. With
 consistency_target "fixed_point" the student learns instead the fixed point's token that teacher
 logit predicts (hard cross-entropy, same pair weights; a pair past the response's end adds 0).
@@ -60,16 +64,25 @@ class _Scored:
     z: torch.Tensor  # [A, V]
     lse: torch.Tensor  # [A]
     flat: torch.Tensor  # all the logits, [B * L, V]
+    rows: torch.Tensor  # [A] each scored position's row
+    num_rows: int  # B
 
     def nothing(self) -> torch.Tensor:
         """A zero that depends on the logits: an empty term keeps the graph (and DeepSpeed's hooks) intact."""
         return self.flat.sum() * 0.0
 
+    def row_mean(self, values: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean of `values` within each row (`rows`, default every scored position's), then over all B rows."""
+        rows = self.rows if rows is None else rows
+        counts = torch.bincount(rows, minlength=self.num_rows).to(values.dtype)
+        return (values / counts[rows]).sum() / self.num_rows
+
 
 def _scored(logits: torch.Tensor, batch: PackedBatch) -> _Scored:
     flat = logits.reshape(-1, logits.shape[-1])
     z = flat[batch.ar_positions.to(flat.device)].float()
-    return _Scored(z, torch.logsumexp(z, dim=-1), flat)
+    rows = batch.ar_rows.to(flat.device)
+    return _Scored(z, torch.logsumexp(z, dim=-1), flat, rows, batch.input_ids.shape[0])
 
 
 def _ar(s: _Scored, batch: PackedBatch, frozen: torch.Tensor | None, margin: float | None) -> torch.Tensor:
@@ -79,25 +92,29 @@ def _ar(s: _Scored, batch: PackedBatch, frozen: torch.Tensor | None, margin: flo
     chosen = s.z.gather(1, target)[:, 0]
     if margin is not None:
         best_other = s.z.scatter(1, target, float("-inf")).max(-1).values
-        return F.relu(margin - (chosen - best_other)).mean()
+        return s.row_mean(F.relu(margin - (chosen - best_other)))
     if frozen is None:
-        return (s.lse - chosen).mean()  # cross-entropy
+        return s.row_mean(s.lse - chosen)  # cross-entropy
     teacher = F.log_softmax(frozen[batch.clean_index[batch.ar_positions]].detach().float(), dim=-1)
-    return F.kl_div(s.z - s.lse[:, None], teacher, log_target=True, reduction="batchmean")
+    return s.row_mean(F.kl_div(s.z - s.lse[:, None], teacher, log_target=True, reduction="none").sum(-1))
 
 
 def _unlikelihood(s: _Scored, candidates: torch.Tensor) -> torch.Tensor:
     """Mean -log(1 - p(C)) over the scored clean positions, C the row of `candidates` ([A, K], IGNORE-padded after
-    the real ones) at each; positions with no candidate are left out (0 where none has one)."""
+    the real ones) at each, per row and then over rows; positions with no candidate are left out (a row with none
+    adds 0)."""
     candidates = candidates.to(s.z.device)
     has = candidates[:, 0] != IGNORE
     if not bool(has.any()):
         return s.nothing()
-    z, lse, chosen = (s.z, s.lse, candidates) if bool(has.all()) else (s.z[has], s.lse[has], candidates[has])
+    every = bool(has.all())
+    z, lse, chosen, rows = (
+        (s.z, s.lse, candidates, s.rows) if every else (s.z[has], s.lse[has], candidates[has], s.rows[has])
+    )
     chosen = torch.where(chosen == IGNORE, chosen[:, :1], chosen)  # padding repeats the first: the same set
     # log(1 - p(C)) = logsumexp over the tokens outside C - logsumexp over all: exact where p(C) is near 1.
     rest = torch.logsumexp(z.scatter(1, chosen, float("-inf")), dim=-1)
-    return (lse - rest).mean()
+    return s.row_mean(lse - rest, rows)
 
 
 def ar_loss(

@@ -165,7 +165,8 @@ def test_a_frozen_teacher_scores_the_clean_stream_by_kl_and_teaches_the_noisy_lo
 
     ar_pairs = [(1, 1), (5, 2), (6, 3), (L + 0, Lc + 0), (L + 4, Lc + 1)]  # (packed logit, clean-stream logit)
     assert batch.ar_positions.tolist() == [s for s, _ in ar_pairs]
-    torch.testing.assert_close(losses.ar, (sum(kl(s, c) for s, c in ar_pairs) / len(ar_pairs)).detach())
+    per_row = [sum(kl(s, c) for s, c in ar_pairs[:3]) / 3, sum(kl(s, c) for s, c in ar_pairs[3:]) / 2]
+    torch.testing.assert_close(losses.ar, (sum(per_row) / 2).detach())  # mean per row, then over the rows
     # Consistency: the students learn the frozen teacher's clean logits, not this forward's.
     pairs = [(3, 3), (4, 4), (L + 1, Lc + 1), (L + 2, Lc + 2)]  # row 0 from offset 1; row 1 from 0
     assert batch.student_positions.tolist() == [s for s, _ in pairs]
@@ -316,12 +317,16 @@ def test_the_repeat_penalty_weight_is_checked_at_load():
         TrainConfig(data="d", output_dir="o", repeat_unlikelihood=-0.5)
 
 
-def scoring_rows():
+def scoring_rows_list():
     # Row 0: block 0 wrong from offset 1, block 1 from offset 2; row 1 shorter, wrong from offset 0. With two offsets
     # kept, each block's noisy slots past them are scored by no loss, nor is row padding.
     r0 = packed_row([1, 10], [([3, 9, 9, 9], [3, 4, 5, 6]), ([7, 8, 9, 9], [7, 8, 5, 4])], mismatch=[1, 2], n=4)
     r1 = packed_row([1], [([9, 9, 9, 9], [6, 5, 6, 5])], mismatch=[0], n=4)
-    return collate([r0, r1], PADID, EOS, max_offset=2)
+    return [r0, r1]
+
+
+def scoring_rows():
+    return collate(scoring_rows_list(), PADID, EOS, max_offset=2)
 
 
 @pytest.mark.parametrize("teacher", ["own", "frozen"])
@@ -386,3 +391,39 @@ def test_a_forward_that_takes_logits_to_keep_but_ignores_the_positions_is_refuse
     assert forward_scored(tiny_model("llama"), batch, mask, keeps_logits=False)[0].shape[1] == batch.input_ids.shape[1]
     with pytest.raises(RuntimeError, match="returned logits at 18 positions for the 16 asked for"):
         forward_scored(IgnoresPositions(), batch, mask, keeps_logits=True)
+
+
+@pytest.mark.parametrize("variant", ["own", "frozen", "margin"])
+def test_a_batch_of_rows_scores_and_trains_as_the_mean_of_its_rows_scored_alone(variant):
+    # What gradient accumulation over one-row micro batches computes: a wider micro batch must give the same loss
+    # and gradient, or changing micro_batch_size would change what a recipe trains. The rows differ in length (so
+    # right padding), in their number of AR targets and of kept pairs, and row 2 has a wrong copy to penalise.
+    from jfcore.training.mask import attention_mask
+    from tests.support.tiny_models import VOCAB, tiny_model
+
+    r0, r1 = scoring_rows_list()
+    r2 = packed_row([5, 6, 7, 5], [([6, 9, 9], [6, 8, 3])], mismatch=[1], n=3)
+    rows = [r0, r1, r2]
+    torch.manual_seed(7)
+    frozen_all = torch.randn(len(rows), 32, VOCAB) if variant == "frozen" else None
+    settings = {"ar_weight": 0.3, "temperature": 2.0, "copy_weight": 0.5, "repeat_weight": 2.0}
+    settings["margin"] = 1.0 if variant == "margin" else None
+
+    def run(chunk: list[int]):
+        batch = collate([rows[i] for i in chunk], PADID, EOS)
+        model = tiny_model("llama").train()
+        mask = attention_mask(batch.streams, "sdpa", torch.float32, batch.blocks)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask).logits
+        frozen = None if frozen_all is None else frozen_all[chunk, : batch.clean_ids.shape[1]]
+        losses = jacobi_forcing_loss(logits, batch, frozen=frozen, **settings)
+        losses.total.backward()
+        return losses, [p.grad for p in model.parameters()]
+
+    together, together_grads = run([0, 1, 2])
+    alone = [run([i]) for i in range(3)]
+    assert together.copy > 0 and len({float(a.ar) for a, _ in alone}) == 3
+    for name in ("total", "ar", "consistency", "copy", "repeat"):
+        mean = sum(getattr(a, name) for a, _ in alone) / 3
+        torch.testing.assert_close(getattr(together, name), mean, rtol=1e-5, atol=1e-6, msg=name)
+    for i, grad in enumerate(together_grads):
+        torch.testing.assert_close(grad, sum(g[i] for _, g in alone) / 3, rtol=1e-4, atol=1e-6)
