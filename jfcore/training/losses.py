@@ -107,10 +107,9 @@ def _unlikelihood(s: _Scored, candidates: torch.Tensor) -> torch.Tensor:
     has = candidates[:, 0] != IGNORE
     if not bool(has.any()):
         return s.nothing()
-    every = bool(has.all())
-    z, lse, chosen, rows = (
-        (s.z, s.lse, candidates, s.rows) if every else (s.z[has], s.lse[has], candidates[has], s.rows[has])
-    )
+    z, lse, rows, chosen = s.z, s.lse, s.rows, candidates
+    if not bool(has.all()):
+        z, lse, rows, chosen = z[has], lse[has], rows[has], chosen[has]
     chosen = torch.where(chosen == IGNORE, chosen[:, :1], chosen)  # padding repeats the first: the same set
     # log(1 - p(C)) = logsumexp over the tokens outside C - logsumexp over all: exact where p(C) is near 1.
     rest = torch.logsumexp(z.scatter(1, chosen, float("-inf")), dim=-1)
