@@ -55,7 +55,6 @@ class PackedBatch:
     blocks: torch.Tensor  # [B, L] int32: j for k_j and l_j (their padding too), -1 for the prompt and row padding
     ar_positions: torch.Tensor  # [A] flat indices into B*L whose logits are scored ...
     ar_targets: torch.Tensor  # [A] ... against these tokens
-    ar_rows: torch.Tensor  # [A] the row of each: L_AR and the penalties average per row, then over the B rows
     ar_wrong_copies: torch.Tensor  # [A] lookup's candidate where it differs from the target, else IGNORE
     ar_recent: torch.Tensor  # [A, REPEAT_WINDOW] recent tokens other than the target, newest first, then IGNORE
     student_positions: torch.Tensor  # [C] flat indices of noisy logits ...
@@ -189,8 +188,7 @@ def collate(
     position_ids = torch.zeros((B, L), dtype=torch.long)
     streams = torch.full((B, L), PAD, dtype=torch.int8)
     blocks = torch.full((B, L), -1, dtype=torch.int32)
-    ar_pos, ar_tgt, ar_rows, ar_wrong, ar_recent = ([] for _ in range(5))
-    student, teacher, weights, offsets, targets, copyable = ([] for _ in range(6))
+    ar_pos, ar_tgt, ar_wrong, ar_recent, student, teacher, weights, offsets, targets, copyable = ([] for _ in range(10))
     for b, (row, lay) in enumerate(zip(rows, layouts)):
         width = len(row["input_ids"])
         input_ids[b, :width] = torch.tensor(row["input_ids"])
@@ -204,7 +202,6 @@ def collate(
         clean_index[b * L + clean] = b * Lc + torch.arange(len(clean))
         ar_pos += [b * L + p for p, _, _, _ in lay.ar]
         ar_tgt += [t for _, t, _, _ in lay.ar]
-        ar_rows += [b] * len(lay.ar)
         ar_wrong += [w for _, _, w, _ in lay.ar]
         ar_recent += [r for _, _, _, r in lay.ar]
         student += [b * L + pair[0] for pair in lay.pairs]
@@ -221,7 +218,6 @@ def collate(
         blocks=blocks,
         ar_positions=torch.tensor(ar_pos, dtype=torch.long),
         ar_targets=torch.tensor(ar_tgt, dtype=torch.long),
-        ar_rows=torch.tensor(ar_rows, dtype=torch.long),
         ar_wrong_copies=torch.tensor(ar_wrong, dtype=torch.long),
         ar_recent=torch.tensor(ar_recent, dtype=torch.long).reshape(-1, REPEAT_WINDOW),
         student_positions=torch.tensor(student, dtype=torch.long),

@@ -81,8 +81,9 @@ class _Scored:
 def _scored(logits: torch.Tensor, batch: PackedBatch) -> _Scored:
     flat = logits.reshape(-1, logits.shape[-1])
     z = flat[batch.ar_positions.to(flat.device)].float()
-    rows = batch.ar_rows.to(flat.device)
-    return _Scored(z, torch.logsumexp(z, dim=-1), flat, rows, batch.input_ids.shape[0])
+    B = batch.input_ids.shape[0]
+    rows = batch.ar_positions.to(flat.device) // (flat.shape[0] // B)  # flat indices run row by row
+    return _Scored(z, torch.logsumexp(z, dim=-1), flat, rows, B)
 
 
 def _ar(s: _Scored, batch: PackedBatch, frozen: torch.Tensor | None, margin: float | None) -> torch.Tensor:
