@@ -94,9 +94,29 @@ def finish(stack, flow_run_id: str, timeout: float = 900) -> str:
         timeout,
         f"flow run {flow_run_id}",
     )
-    logs = prefect(stack, "flow-run", "logs", flow_run_id)
+    logs = logs_of(stack, flow_run_id)
     assert state_of(stack, flow_run_id) == "COMPLETED", logs[-6000:]
     return logs
+
+
+def logs_of(stack, flow_run_id: str) -> str:
+    """The flow run's log messages in order, one a line: what `prefect flow-run logs` prints, without its 2.5 s
+    interpreter start. Logs reach the server in batches after the state does, so this waits (a few seconds at
+    most) for the flow's own closing line."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(flow_run_id)]))
+    deadline = time.time() + scaled(15)
+    with SyncPrefectClient(api=stack["env"]["PREFECT_API_URL"]) as client:
+        while True:
+            logs = []
+            while page := client.read_logs(only, limit=200, offset=len(logs)):
+                logs += page
+            closed = any(log.task_run_id is None and log.message.startswith("Finished in state") for log in logs)
+            if closed or time.time() > deadline:
+                return "\n".join(log.message for log in logs)
+            time.sleep(0.5)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
