@@ -80,9 +80,9 @@ class _Scored:
 
 def _scored(logits: torch.Tensor, batch: PackedBatch) -> _Scored:
     flat = logits.reshape(-1, logits.shape[-1])
-    z = flat[batch.ar_positions.to(flat.device)].float()
-    B = batch.input_ids.shape[0]
-    rows = batch.ar_positions.to(flat.device) // (flat.shape[0] // B)  # flat indices run row by row
+    positions, B = batch.ar_positions.to(flat.device), batch.input_ids.shape[0]
+    z = flat[positions].float()
+    rows = positions // (flat.shape[0] // B)  # flat indices run row by row
     return _Scored(z, torch.logsumexp(z, dim=-1), flat, rows, B)
 
 
