@@ -89,6 +89,7 @@ def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path, r
     wall = time.perf_counter() - began
     records = [json.loads(line) for line in (Path(train.output_dir) / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_second"] for r in records[1:]]
+    seconds = [r["tokens"] / r["tokens_per_second"] for r in records[1:]]
     return {
         "setting": name,
         "processes": processes,
@@ -97,6 +98,10 @@ def measure(name: str, data: Path, model: ModelConfig, steps: int, root: Path, r
         "gradient_checkpointing": checkpointing,
         "precision": precision,
         "tokens_per_second": statistics.median(rates),
+        # All steps after the first, as a whole: a data order whose steps differ in length (length_grouped) has
+        # long and short steps, and a fixed cost per step makes their median rate misleading.
+        "overall_tokens_per_second": sum(r["tokens"] for r in records[1:]) / sum(seconds),
+        "mean_step_seconds": statistics.mean(seconds),
         "step_rates": rates,
         "wall_s": wall,
         "first_loss": records[0]["loss"],
@@ -128,7 +133,12 @@ def main(argv=None) -> None:
         for round_index in range(args.rounds):
             for name in names if round_index % 2 == 0 else names[::-1]:
                 results[name].append(measure(name, data, model, args.steps, root, recipe))
-                print(f"  {name}: {results[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
+                last = results[name][-1]
+                print(
+                    f"  {name}: {last['tokens_per_second']:.1f} tokens/s (median step), "
+                    f"{last['overall_tokens_per_second']:.1f} overall, {last['mean_step_seconds']:.2f} s a step",
+                    flush=True,
+                )
     base = statistics.median(r["tokens_per_second"] for r in results[names[0]])
     print(f"\n{'setting':<18}{'procs':>6}{'tokens/s':>10}{'vs ' + names[0]:>20}{'first loss':>12}")
     rows = []
